@@ -1,0 +1,5 @@
+"""topkd: memory-efficient LLM knowledge distillation from an offline top-K teacher cache."""
+from topkd.loss import KDLoss, fused_linear_kd
+
+__version__ = "0.1.0"
+__all__ = ["fused_linear_kd", "KDLoss", "__version__"]

@@ -1,0 +1,109 @@
+"""Public loss API: `fused_linear_kd` (one function) and `KDLoss` (a thin nn.Module over it).
+
+    loss = topkd.fused_linear_kd(hidden, lm_head.weight, teacher_ids, teacher_logprobs)
+
+hidden [N, H] or [B, T, H]; weight [V, H]; teacher_ids / teacher_logprobs [..., K] (log p at
+T=1 over the full teacher vocabulary). See docs/loss.md for the math and every option.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from topkd.loss import validate
+from topkd.loss.baselines import chunked_linear_kd, dense_linear_kd
+from topkd.loss.chunk import LossSpec, TeacherRows
+from topkd.loss.fused import DEFAULT_CHUNK_BYTES, FusedLinearKD, chunk_rows
+
+
+def fused_linear_kd(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    mask: Tensor | None = None,
+    teacher_logz: Tensor | None = None,
+    divergence: str = "kl",
+    tail: str = "bucket",
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    labels: Tensor | None = None,
+    ce_weight: float = 0.0,
+    reduction: str = "mean",
+    impl: str = "fused",
+    chunk_size: int | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """Top-K knowledge-distillation loss of the student projection `hidden @ weight.T (+ bias)`.
+
+    Returns KD (x T^2) + ce_weight * CE(labels). "mean": KD averaged over counted tokens
+    plus CE averaged over counted tokens with a label != -100; "sum": sums; "none": per
+    token, shaped like hidden[..., 0], zero where masked. Masked tokens cost no FLOPs; an
+    all-masked batch gives 0 with zero gradients. The loss is fp32 for low-precision inputs.
+    impl: "fused" (default, never forms [N, V]), "chunked" or "dense" (baselines).
+    chunk_size: rows per chunk; default from a 256 MiB budget for the chunk's logits.
+    """
+    validate.check_names(divergence, tail, impl, reduction)
+    validate.check_numbers(temperature, beta, ce_weight, divergence, chunk_size)
+    validate.check_shapes(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels)
+    validate.check_temperature_tail(tail, float(temperature), teacher_logz is not None)
+    if ce_weight > 0 and labels is None:
+        raise ValueError(f"ce_weight={ce_weight} needs labels (next-token ids, -100 ignored), got None; "
+                         "pass labels or set ce_weight=0")
+    lead, vocab, k = hidden.shape[:-1], weight.shape[0], teacher_ids.shape[-1]
+    x = hidden.reshape(-1, hidden.shape[-1])
+    row_index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    if row_index is not None and row_index.numel() == x.shape[0]:
+        row_index = None  # nothing masked: contiguous slices, no gathers
+    rows = _counted_rows(teacher_ids, teacher_logprobs, teacher_logz, labels if ce_weight > 0 else None, row_index, k)
+    validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, tail, float(temperature))
+    spec = LossSpec(divergence, tail, float(temperature), float(beta), float(ce_weight), full_support=(k == vocab))
+    chunk = chunk_size or chunk_rows(vocab, hidden.dtype, spec, rows.labels is not None, DEFAULT_CHUNK_BYTES)
+    if impl == "fused":
+        grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted)
+    else:
+        counted = x if row_index is None else x.index_select(0, row_index)
+        if impl == "chunked":
+            loss = chunked_linear_kd(counted, weight, bias, rows, spec, reduction, chunk)
+        else:
+            loss = dense_linear_kd(counted, weight, bias, rows, spec, reduction)
+    return loss if reduction != "none" else _scatter_tokens(loss, row_index, x.shape[0]).reshape(lead)
+
+
+def _counted_rows(ids, logprobs, logz, labels, row_index, k) -> TeacherRows:
+    flat = lambda t, *tail: None if t is None else t.reshape(-1, *tail)  # noqa: E731
+    rows = TeacherRows(flat(ids, k), flat(logprobs, k), flat(logz), flat(labels))
+    if row_index is None:
+        return rows
+    pick = lambda t: None if t is None else t.index_select(0, row_index)  # noqa: E731
+    return TeacherRows(pick(rows.ids), pick(rows.logprobs), pick(rows.logz), pick(rows.labels))
+
+
+def _scatter_tokens(per_token: Tensor, row_index: Tensor | None, n_all: int) -> Tensor:
+    if row_index is None:
+        return per_token
+    return per_token.new_zeros(n_all).index_put((row_index,), per_token)
+
+
+class KDLoss(nn.Module):
+    """nn.Module over fused_linear_kd; options fixed at construction, tensors per call."""
+
+    def __init__(self, *, divergence: str = "kl", tail: str = "bucket", temperature: float = 1.0,
+                 beta: float = 0.5, ce_weight: float = 0.0, reduction: str = "mean", impl: str = "fused",
+                 chunk_size: int | None = None) -> None:
+        super().__init__()
+        validate.check_names(divergence, tail, impl, reduction)
+        validate.check_numbers(temperature, beta, ce_weight, divergence, chunk_size)
+        self.options = dict(divergence=divergence, tail=tail, temperature=temperature, beta=beta,
+                            ce_weight=ce_weight, reduction=reduction, impl=impl, chunk_size=chunk_size)
+
+    def forward(self, hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
+                mask: Tensor | None = None, teacher_logz: Tensor | None = None, labels: Tensor | None = None,
+                bias: Tensor | None = None) -> Tensor:
+        return fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask=mask, teacher_logz=teacher_logz,
+                               labels=labels, bias=bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

@@ -1,0 +1,163 @@
+"""impl="fused": the lm_head projection fused into a chunked KD loss; [N, V] never exists.
+
+One driver owns chunks, gradients and normalisation. For each chunk of counted tokens it
+forms the [C, V] logits, calls `chunk_step` (loss and dL/dz in place while the logits are
+live), and immediately spends dL/dz on dX and dW: 6NVH FLOPs in total, and backward only
+scales the stored gradients by grad_output. reduction="none" cannot know its token
+weights until backward, so there the forward computes losses only and backward recomputes
+(8NVH). Without gradients (no_grad, or nothing requires grad) the forward is 2NVH.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from topkd.loss.chunk import LossSpec, TeacherRows, chunk_step
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logsumexp, softmax and dW accumulate in fp32 (fp64 stays fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def chunk_rows(vocab: int, dtype: torch.dtype, spec: LossSpec, has_labels: bool,
+               budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Rows per chunk so the chunk's [C, V] buffers fit in budget_bytes."""
+    cdt = compute_dtype(dtype)
+    buffers = 2 if (has_labels and spec.temperature != 1.0) else 1
+    per_row = vocab * buffers * torch.finfo(cdt).bits // 8
+    if dtype != cdt:  # the low-precision GEMM output and the cast dL/dz
+        per_row += 2 * vocab * torch.finfo(dtype).bits // 8
+    return max(1, budget_bytes // per_row)
+
+
+@dataclass
+class _Grads:
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+
+
+def token_weights(rows: TeacherRows, spec: LossSpec, reduction: str, dtype: torch.dtype, go: Tensor | None = None):
+    """(kd_w, ce_w) per counted token: 1/n for "mean", 1 for "sum", grad_output for "none"."""
+    n = len(rows)
+    if reduction == "none":
+        kd_w = go.to(dtype)
+    else:
+        kd_w = torch.full((n,), 1.0 / max(n, 1) if reduction == "mean" else 1.0, dtype=dtype, device=rows.ids.device)
+    if rows.labels is None:
+        return kd_w, None
+    valid = (rows.labels >= 0).to(kd_w.dtype)
+    if reduction == "mean":
+        ce_w = valid * (spec.ce_weight / valid.sum().clamp_min(1.0))
+    else:
+        ce_w = valid * spec.ce_weight * (1.0 if reduction == "sum" else kd_w)
+    return kd_w, ce_w
+
+
+def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, chunk):
+    """The driver: per-token (kd, ce) losses, and gradients for the inputs flagged in needs."""
+    n, cdt = len(rows), compute_dtype(hidden.dtype)
+    grads = _Grads(
+        hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden)) if needs[0] else None,
+        weight=torch.zeros(weight.shape, dtype=cdt, device=weight.device) if needs[1] else None,
+        bias=torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if needs[2] else None,
+    )
+    kd_tok = torch.empty(n, dtype=cdt, device=hidden.device)
+    ce_tok = torch.empty(n, dtype=cdt, device=hidden.device) if rows.labels is not None else None
+    buf = torch.empty((min(chunk, n), weight.shape[0]), dtype=cdt, device=hidden.device)
+    want_grad = any(needs)
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        x = hidden[start:end] if row_index is None else hidden.index_select(0, row_index[start:end])
+        z = _project(x, weight, bias, buf[: end - start])
+        kd, ce = chunk_step(z, rows.slice(start, end), spec,
+                            kd_w[start:end] if want_grad else None,
+                            None if ce_w is None or not want_grad else ce_w[start:end])
+        kd_tok[start:end] = kd
+        if ce_tok is not None:
+            ce_tok[start:end] = ce
+        if want_grad:
+            _spend_grad(z, x, weight, grads, row_index, start, end)
+    return kd_tok, ce_tok, grads
+
+
+def _project(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+    if x.dtype == out.dtype:
+        torch.mm(x, weight.t(), out=out)
+    else:  # low-precision GEMM, then fp32 for the softmax math
+        out.copy_(x @ weight.t())
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index, start: int, end: int) -> None:
+    """dX rows = dz W; dW += dz^T x; db += sum dz (dW, db accumulate in the compute dtype)."""
+    dz_in = dz if dz.dtype == x.dtype else dz.to(x.dtype)
+    if grads.hidden is not None:
+        if row_index is None:
+            torch.mm(dz_in, weight, out=grads.hidden[start:end])
+        else:
+            grads.hidden.index_copy_(0, row_index[start:end], dz_in @ weight)
+    if grads.weight is not None:
+        if dz_in.dtype == grads.weight.dtype:
+            grads.weight.addmm_(dz_in.t(), x)
+        else:
+            grads.weight.add_(dz_in.t() @ x)
+    if grads.bias is not None:
+        grads.bias.add_(dz.sum(dim=0))
+
+
+def _reduce(kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, spec: LossSpec, reduction: str) -> Tensor:
+    if reduction == "none":
+        return kd_tok if ce_tok is None else kd_tok + spec.ce_weight * ce_tok
+    kd_w, ce_w = token_weights(rows, spec, reduction, kd_tok.dtype)
+    loss = (kd_tok * kd_w.to(kd_tok.dtype)).sum()
+    return loss if ce_tok is None else loss + (ce_tok * ce_w.to(ce_tok.dtype)).sum()
+
+
+class FusedLinearKD(torch.autograd.Function):
+    """autograd wrapper; inputs are the 2-D hidden [N, H] (all rows) and row_index of counted ones."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted):
+        needs = tuple(bool(f) and grad_wanted for f in ctx.needs_input_grad[:3])
+        grad_now = any(needs) and reduction != "none"
+        kd_w, ce_w = token_weights(rows, spec, reduction, compute_dtype(hidden.dtype)) if grad_now else (None, None)
+        kd_tok, ce_tok, grads = run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w,
+                                           needs if grad_now else (False, False, False), chunk)
+        ctx.reduction, ctx.needs = reduction, needs
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if reduction == "none" and any(needs):
+            ctx.save_for_backward(hidden, weight, bias, row_index)
+            ctx.rows, ctx.spec, ctx.chunk = rows, spec, chunk
+        elif grad_now:
+            ctx.grads = grads
+        return _reduce(kd_tok, ce_tok, rows, spec, reduction)
+
+    @staticmethod
+    def backward(ctx, go):
+        if ctx.reduction == "none":
+            hidden, weight, bias, row_index = ctx.saved_tensors
+            kd_w, ce_w = token_weights(ctx.rows, ctx.spec, "none", compute_dtype(hidden.dtype), go)
+            grads = run_chunks(hidden, weight, bias, row_index, ctx.rows, ctx.spec, kd_w, ce_w, ctx.needs, ctx.chunk)[2]
+            scale = None
+        else:
+            grads, scale = ctx.grads, go
+        dtypes = ctx.dtypes
+        out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), dtypes)]
+        return (*out, None, None, None, None, None, None)
+
+
+def _finish(grad: Tensor | None, dtype: torch.dtype, scale: Tensor | None) -> Tensor | None:
+    """Scale by grad_output (skipped when it is 1) and return in the input's dtype."""
+    if grad is None:
+        return None
+    if scale is not None and not bool(scale == 1):
+        grad = grad * scale.to(grad.dtype)
+    return grad.to(dtype)
