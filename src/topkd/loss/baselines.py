@@ -40,7 +40,8 @@ class _ChunkedOnLogits(torch.autograd.Function):
             (logits,) = ctx.saved_tensors
             kd_w, ce_w = token_weights(ctx.rows, ctx.spec, "none", compute_dtype(logits.dtype), go)
             return _slices(logits, ctx.rows, ctx.spec, kd_w, ce_w, ctx.chunk)[2], None, None, None, None
-        grad = ctx.dlogits if bool(go == 1) else ctx.dlogits * go.to(ctx.dlogits.dtype)
+        dlogits, ctx.dlogits = ctx.dlogits, None
+        grad = dlogits if bool(go == 1) else dlogits * go.to(dlogits.dtype)
         return grad, None, None, None, None
 
 

@@ -149,6 +149,7 @@ class FusedLinearKD(torch.autograd.Function):
             scale = None
         else:
             grads, scale = ctx.grads, go
+            ctx.grads = None  # drop our reference so autograd can adopt the buffers without a copy
         dtypes = ctx.dtypes
         out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), dtypes)]
         return (*out, None, None, None, None, None, None)

@@ -1,0 +1,1 @@
+"""topkd.bench: benchmarks that print ratios measured in one run (`topkd bench loss`)."""

@@ -1,0 +1,146 @@
+"""`topkd bench loss`: projection-only KD benchmark over sequence lengths, like the paper's.
+
+    topkd bench loss --lengths 1024,4096,16384,65536 --out benchmarks/results/loss-cpu
+    topkd bench loss --vocab 201088 --hidden 2880 --device cuda --dtype bfloat16   # paper shapes
+
+Each (impl, length) point runs forward+backward in a fresh subprocess (topkd.bench.point),
+so peak memory is that point's alone. Reported per point: peak / memory floor, time /
+three-GEMM floor (same process), GFLOP/s at 6NVH, and each impl's ratios to fused.
+Out of memory is recorded as a result. Outputs: a table, loss.csv (one stamped row per
+point), loss.json, loss.png (memory and time vs length, log scales), and a JSON last line.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from topkd.bench.point import KD_IMPLS, PEERS
+from topkd.bench.stamp import stamp
+
+
+@dataclass
+class LossBenchConfig:
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    impls: list[str] = field(default_factory=lambda: list(KD_IMPLS + PEERS))
+    vocab: int = 32768
+    hidden: int = 512
+    k: int = 100
+    dtype: str = "float32"
+    device: str = "cpu"
+    repeats: int = 3
+    mem_limit_gib: float = 20.0
+    timeout_s: int = 1800
+    out: str = "benchmarks/results/loss-cpu"
+
+
+def run_point(cfg: LossBenchConfig, impl: str, tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "topkd.bench.point", "--impl", impl, "--tokens", str(tokens), "--vocab",
+           str(cfg.vocab), "--hidden", str(cfg.hidden), "--k", str(cfg.k), "--dtype", cfg.dtype, "--device",
+           cfg.device, "--repeats", str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "tokens": tokens, "status": "timeout"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    killed = proc.returncode < 0 or proc.returncode == 137
+    status = "oom" if killed else "error"
+    return {"impl": impl, "tokens": tokens, "status": status, "error": proc.stderr.strip().splitlines()[-1:]}
+
+
+def add_ratios(rows: list[dict], chunk_budget_bytes: int = 256 * 2**20) -> None:
+    """Per point: peak / floor, time / GEMM floor, GFLOP/s, and ratios to fused at the same length."""
+    fused = {r["tokens"]: r for r in rows if r["impl"] == "fused" and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        r["mem_over_floor"] = r["peak_bytes"] / r["floor_bytes"]
+        r["mem_target_bytes"] = 1.15 * r["floor_bytes"] + chunk_budget_bytes
+        r["time_over_floor"] = r["time_s"] / r["floor_time_s"]
+        r["gflops"] = r["flops"] / r["time_s"] / 1e9
+        f = fused.get(r["tokens"])
+        if f is not None:
+            r["mem_vs_fused"] = r["peak_bytes"] / f["peak_bytes"]
+            r["time_vs_fused"] = r["time_s"] / f["time_s"]
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'impl':<10} {'tokens':>7} {'peak GiB':>9} {'/floor':>7} {'time s':>8} {'/gemm':>6} " \
+           f"{'GFLOP/s':>8} {'mem/fused':>9} {'time/fused':>10}"
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["impl"])):
+        if r["status"] != "ok":
+            lines.append(f"{r['impl']:<10} {r['tokens']:>7} {r['status'].upper():>9}")
+            continue
+        lines.append(f"{r['impl']:<10} {r['tokens']:>7} {r['peak_bytes'] / 2**30:>9.3f} {r['mem_over_floor']:>7.2f} "
+                     f"{r['time_s']:>8.2f} {r['time_over_floor']:>6.2f} {r['gflops']:>8.1f} "
+                     f"{r.get('mem_vs_fused', float('nan')):>9.2f} {r.get('time_vs_fused', float('nan')):>10.2f}")
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
+    os.makedirs(cfg.out, exist_ok=True)
+    keys = sorted({k for r in rows for k in r} | set(meta))
+    with open(os.path.join(cfg.out, "loss.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**meta, **{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()}})
+    summary = {"bench": "loss", "config": asdict(cfg), "stamp": meta, "points": rows}
+    with open(os.path.join(cfg.out, "loss.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    plot(rows, cfg, meta, os.path.join(cfg.out, "loss.png"))
+    return summary
+
+
+def plot(rows: list[dict], cfg: LossBenchConfig, meta: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for impl in cfg.impls:
+        ok = sorted((r for r in rows if r["impl"] == impl and r["status"] == "ok"), key=lambda r: r["tokens"])
+        if ok:
+            ax_mem.plot([r["tokens"] for r in ok], [r["peak_bytes"] / 2**30 for r in ok], "o-", label=impl)
+            ax_time.plot([r["tokens"] for r in ok], [r["time_s"] for r in ok], "o-", label=impl)
+        for r in rows:
+            if r["impl"] == impl and r["status"] == "oom":
+                ax_mem.axvline(r["tokens"], color="grey", ls=":", lw=0.8)
+    for ax, ylabel in ((ax_mem, "peak memory (GiB)"), (ax_time, "forward+backward (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    if ax_mem.get_legend_handles_labels()[0]:
+        ax_mem.legend(fontsize=8)
+    fig.suptitle(f"KD loss, V={cfg.vocab} H={cfg.hidden} K={cfg.k} {cfg.dtype} on {meta['machine']} "
+                 f"({meta['commit']}); dotted: OOM", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_loss_bench(cfg: LossBenchConfig) -> dict:
+    meta = stamp(cfg.device)
+    points = [(impl, n) for n in cfg.lengths for impl in cfg.impls]
+    rows = []
+    for impl, n in tqdm(points, desc="bench loss", unit="point"):
+        if any(r["impl"] == impl and r["status"] == "oom" and r["tokens"] < n for r in rows):
+            rows.append({"impl": impl, "tokens": n, "status": "oom", "error": "skipped: OOM at a shorter length"})
+            continue
+        rows.append(run_point(cfg, impl, n))
+    add_ratios(rows)
+    print(table(rows))
+    summary = write_outputs(rows, cfg, meta)
+    print(json.dumps({"bench": "loss", "out": cfg.out, "commit": meta["commit"], "points": rows}))
+    return summary

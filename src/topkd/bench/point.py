@@ -1,0 +1,199 @@
+"""One benchmark point, meant to run in a fresh process: peak memory, median time, GEMM floor.
+
+    python -m topkd.bench.point --impl fused --tokens 4096 --vocab 32768 --hidden 512
+
+Prints one JSON line. Peak memory on CPU is VmHWM after writing 5 to /proc/self/clear_refs,
+minus the process's RSS before any input existed (so inputs, gradients and temporaries
+count, the Python runtime does not); on CUDA, max_memory_allocated. The first (measured)
+run also warms up; time is the median of --repeats further runs; the three-GEMM floor
+(logits, dX, dW over the same chunk rows, into reused buffers) is timed in the same process.
+An allocation failure is a result ("oom"), not a crash: on CPU the address space is capped
+with RLIMIT_AS so the allocator fails cleanly instead of waking the OOM killer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import torch
+
+import topkd
+from topkd.loss.chunk import LossSpec
+from topkd.loss.fused import chunk_rows
+
+KD_IMPLS = ("fused", "chunked", "dense")
+PEERS = ("liger_jsd", "torch_lce")
+
+
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class PeakMemory:
+    """Peak bytes above a baseline taken at construction (CPU: VmHWM; CUDA: allocator peak)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.base = torch.cuda.memory_allocated() if self.cuda else _status_kib("VmRSS") * 1024
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+    def peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() - self.base
+        return _status_kib("VmHWM") * 1024 - self.base
+
+
+def teacher_rows(n: int, vocab: int, k: int, device, seed: int = 0):
+    """Synthetic top-K rows (ids int32, log-probs fp32, sorted), built a block at a time."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.empty(n, k, dtype=torch.int32, device=device)
+    logprobs = torch.empty(n, k, dtype=torch.float32, device=device)
+    for start in range(0, n, 512):
+        end = min(start + 512, n)
+        logits = torch.randn(end - start, vocab, generator=g) * 3
+        top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        ids[start:end], logprobs[start:end] = top.indices.to(torch.int32), top.values
+    return ids, logprobs
+
+
+def make_inputs(impl: str, n: int, vocab: int, hidden: int, k: int, dtype, device) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(n, hidden, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(device, dtype).requires_grad_()
+    inputs = {"x": x, "w": w}
+    if impl in KD_IMPLS:
+        inputs["ids"], inputs["logprobs"] = teacher_rows(n, vocab, k, device)
+    elif impl == "liger_jsd":
+        inputs["xt"] = torch.randn(n, hidden, generator=g).to(device, dtype)
+        inputs["wt"] = (torch.randn(vocab, hidden, generator=g) / hidden**0.5 * 3).to(device, dtype)
+    if impl in PEERS:
+        inputs["labels"] = torch.randint(0, vocab, (n,), generator=g).to(device)
+    return inputs
+
+
+def floor_bytes(inputs: dict) -> int:
+    """Memory floor: X, W, dX, dW and the teacher rows (or the peer's teacher/labels)."""
+    total = 0
+    for name, t in inputs.items():
+        total += t.numel() * t.element_size() * (2 if name in ("x", "w") else 1)
+    return total
+
+
+def step_fn(impl: str, inputs: dict):
+    """A closure running one forward+backward."""
+    x, w = inputs["x"], inputs["w"]
+    if impl in KD_IMPLS:
+        return lambda: topkd.fused_linear_kd(x, w, inputs["ids"], inputs["logprobs"], impl=impl).backward()
+    if impl == "liger_jsd":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        peer = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False)
+        return lambda: peer(x, w, inputs["xt"], inputs["wt"], inputs["labels"]).backward()
+    if impl == "torch_lce":
+        return lambda: torch.nn.functional.linear_cross_entropy(x, w, inputs["labels"]).backward()
+    raise ValueError(f"impl: expected one of {KD_IMPLS + PEERS}, got {impl!r}")
+
+
+def three_gemm_step(x: torch.Tensor, w: torch.Tensor, chunk: int):
+    """Logits, dX and dW over chunks of `chunk` rows into reused buffers: the 6NVH floor."""
+    x, w = x.detach(), w.detach()
+    buf = torch.empty(min(chunk, x.shape[0]), w.shape[0], dtype=x.dtype, device=x.device)
+    dx, dw = torch.empty_like(x), torch.zeros_like(w)
+
+    def step():
+        for start in range(0, x.shape[0], chunk):
+            end = min(start + chunk, x.shape[0])
+            z = buf[: end - start]
+            torch.mm(x[start:end], w.t(), out=z)
+            torch.mm(z, w, out=dx[start:end])
+            dw.addmm_(z.t(), x[start:end])
+    return step
+
+
+def timed(fn, repeats: int, device) -> float:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str, device_name: str,
+            repeats: int) -> dict:
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    # A tiny run of the same code first: thread pools, lazy inits and library code pages
+    # touched on first use must not count as the loss's memory.
+    warm = make_inputs(impl, 64, vocab, hidden, k, dtype, device)
+    step_fn(impl, warm)()
+    three_gemm_step(warm["x"], warm["w"], 32)()
+    del warm
+    memory = PeakMemory(device)
+    inputs = make_inputs(impl, n, vocab, hidden, k, dtype, device)
+    step = step_fn(impl, inputs)
+    row = {"impl": impl, "tokens": n, "vocab": vocab, "hidden": hidden, "k": k, "dtype": dtype_name,
+           "floor_bytes": floor_bytes(inputs), "flops": 6 * n * vocab * hidden}
+    memory.reset()
+    step()
+    row["peak_bytes"] = memory.peak()
+    inputs["x"].grad = inputs["w"].grad = None
+    chunk = chunk_rows(vocab, dtype, LossSpec(), False)
+    floor = three_gemm_step(inputs["x"], inputs["w"], chunk)
+    pairs = [(timed(floor, 1, device), timed(lambda: _fresh_grads(step, inputs), 1, device)) for _ in range(repeats)]
+    row["floor_time_s"] = statistics.median(p[0] for p in pairs)  # interleaved: both see the same drift
+    row["time_s"] = statistics.median(p[1] for p in pairs)
+    row["chunk_rows"] = chunk
+    return row
+
+
+def _fresh_grads(step, inputs) -> None:
+    inputs["x"].grad = inputs["w"].grad = None
+    step()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--impl", required=True, choices=KD_IMPLS + PEERS)
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--k", type=int, default=100)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--mem-limit-gib", type=float, default=0.0, help="CPU address-space cap (0: none)")
+    a = p.parse_args(argv)
+    if a.mem_limit_gib > 0 and a.device == "cpu":
+        cap = int(a.mem_limit_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    try:
+        row = measure(a.impl, a.tokens, a.vocab, a.hidden, a.k, a.dtype, a.device, a.repeats)
+        row["status"] = "ok"
+    except ImportError as e:  # a peer that is not installed
+        row = {"impl": a.impl, "tokens": a.tokens, "status": "unavailable", "error": str(e)[:200]}
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        row = {"impl": a.impl, "tokens": a.tokens, "status": "oom", "error": str(e).splitlines()[0][:200]}
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        row = {"impl": a.impl, "tokens": a.tokens, "status": "oom", "error": str(e).splitlines()[0][:200]}
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
