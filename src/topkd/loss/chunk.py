@@ -50,16 +50,29 @@ class TeacherRows:
         return TeacherRows(pick(self.ids), pick(self.logprobs), pick(self.logz), pick(self.labels))
 
 
+BLOCK_BYTES = 2**20  # elementwise passes walk the chunk in row blocks this size, so they stay in L2
+
+
+def _row_blocks(z: Tensor):
+    rows = max(1, BLOCK_BYTES // (z.shape[1] * z.element_size()))
+    return [(r, min(r + rows, z.shape[0])) for r in range(0, z.shape[0], rows)]
+
+
 def _softmax_stats(z: Tensor, ids: Tensor, temperature: float):
-    """In place: z <- exp((z - max) / T) with zeros at ids. Returns (shifted id logits, tail sum, total)."""
-    m = z.amax(dim=1, keepdim=True)
-    z_ids = (z.gather(1, ids) - m) / temperature
-    z.sub_(m)
-    if temperature != 1.0:
-        z.mul_(1.0 / temperature)
-    z.exp_()
-    z.scatter_(1, ids, 0.0)
-    tail_sum = z.sum(dim=1)
+    """In place: z <- exp((z - max) / T) with zeros at ids. Returns (max, shifted id logits, tail sum, total)."""
+    m = torch.empty(z.shape[0], 1, dtype=z.dtype, device=z.device)
+    tail_sum = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
+    z_ids = z.gather(1, ids)
+    for a, b in _row_blocks(z):  # each block's max, exp and sum passes hit cache, not DRAM
+        block = z[a:b]
+        torch.amax(block, dim=1, keepdim=True, out=m[a:b])
+        block.sub_(m[a:b])
+        if temperature != 1.0:
+            block.mul_(1.0 / temperature)
+        block.exp_()
+        block.scatter_(1, ids[a:b], 0.0)
+        torch.sum(block, dim=1, out=tail_sum[a:b])
+    z_ids = (z_ids - m) / temperature
     total = tail_sum + z_ids.exp().sum(dim=1)
     return m.squeeze(1), z_ids, tail_sum, total
 
@@ -127,5 +140,6 @@ def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tens
     if shared_ce is not None:  # T == 1: softmax(z) = q, so CE's w * q folds into the same terms
         dense = dense + shared_ce / total
         at_ids = at_ids + shared_ce.unsqueeze(1) * q_ids
-    z.mul_(dense.unsqueeze(1))
-    z.scatter_(1, ids, at_ids)
+    dense = dense.unsqueeze(1)
+    for a, b in _row_blocks(z):
+        z[a:b].mul_(dense[a:b]).scatter_(1, ids[a:b], at_ids[a:b])
