@@ -23,6 +23,7 @@ BENCH_HELP = {
     "mem_limit_gib": "CPU address-space cap per point, so OOM is a clean result (0: none)",
     "timeout_s": "seconds before a point is recorded as a timeout",
     "out": "output directory for loss.csv, loss.json, loss.png",
+    "report_only": "re-print the table and targets of the run stored in --out, measuring nothing",
 }
 
 
@@ -35,9 +36,13 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> No
     default = cls()
     for f in fields(cls):
         value = getattr(default, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, dest=f.name, action="store_true", help=helps[f.name])
+            continue
         kind = _list_of(int if f.name == "lengths" else str) if isinstance(value, list) else type(value)
         shown = ",".join(map(str, value)) if isinstance(value, list) else value
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=value,
+        parser.add_argument(flag, dest=f.name, type=kind, default=value,
                             help=f"{helps[f.name]} (default: {shown})")
 
 

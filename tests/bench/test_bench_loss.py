@@ -16,13 +16,16 @@ def test_tiny_sweep_writes_every_output(tmp_path, capsys):
     rows = list(csv.DictReader(open(out / "loss.csv")))
     assert len(rows) == 4 and all(r["commit"] and r["machine"] and r["torch"] for r in rows)
     assert (out / "loss.png").stat().st_size > 10_000
+    assert any(t["target"].startswith("fused peak") for t in last["targets"])
+    main(["bench", "loss", "--out", str(out), "--report-only"])
+    assert "fused peak <= 1.15 x floor" in capsys.readouterr().out
     dense96 = next(p for p in last["points"] if p["impl"] == "dense" and p["tokens"] == 96)
     assert dense96["mem_vs_fused"] > 0 and dense96["peak_bytes"] > 0 and dense96["time_over_floor"] > 0
 
 
 def test_out_of_memory_is_a_result_not_a_crash(tmp_path):
     cfg = LossBenchConfig(lengths=[4096], impls=["dense"], vocab=65536, hidden=16, k=8, repeats=1,
-                          mem_limit_gib=1.5, out=str(tmp_path))
+                          mem_limit_gib=3.0, out=str(tmp_path))
     summary = run_loss_bench(cfg)
     assert summary["points"][0]["status"] == "oom"
 

@@ -95,3 +95,22 @@ def test_chunk_size_does_not_change_the_result(problem):
     ref = run(topkd_fn("fused", chunk=None), problem, "mean", **kw)
     for chunk in (1, 3, 36, 37, 1000):
         assert_all_close(run(topkd_fn("fused", chunk=chunk), problem, "mean", **kw), ref, atol=1e-13)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("divergence", ["kl", "jsd"])
+def test_realistic_vocab_fp32_fused_matches_dense(divergence):
+    """A real-sized vocabulary (V = 32,768, H = 256, K = 100) in fp32, default chunk budget."""
+    g = torch.Generator().manual_seed(14)
+    n, h, vocab, k = 1500, 256, 32768, 100
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(vocab, h, generator=g) / h**0.5
+    logprobs, ids = torch.log_softmax(torch.randn(n, vocab, generator=g) * 4, -1).topk(k, dim=-1)
+    got = []
+    for impl in ("fused", "dense"):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = topkd.fused_linear_kd(xi, wi, ids, logprobs, impl=impl, divergence=divergence)
+        loss.backward()
+        got.append((loss.detach(), xi.grad, wi.grad))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

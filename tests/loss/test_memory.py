@@ -46,3 +46,32 @@ def test_detector_sees_the_chunked_baseline_materialise_logits():
     """Guards the test above: the same watcher must catch an [N, V] tensor where one exists."""
     watch, n_counted = largest("chunked")
     assert watch.shape == (n_counted, 257)
+
+
+class GemmCount(TorchDispatchMode):
+    """Counts GEMM FLOPs (2 m n k per mm/addmm) issued under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("reduction,grad,expected_nvh", [
+    ("mean", True, 6), ("sum", True, 6), ("none", True, 8), ("mean", False, 2), ("none", False, 2)])
+def test_gemm_flops_match_the_cost_model(reduction, grad, expected_nvh):
+    """6NVH with gradients formed in the forward; 8NVH for "none" (recompute); 2NVH without grad."""
+    pb = make_problem(n=300, vocab=257, hidden=8, k=5, seed=13, dtype=torch.float32)
+    x, w = pb["x"].clone().requires_grad_(grad), pb["w"].clone().requires_grad_(grad)
+    count = GemmCount()
+    with count:
+        loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"].float(), reduction=reduction, chunk_size=64)
+        if grad:
+            loss.sum().backward()
+    assert count.flops == expected_nvh * 300 * 257 * 8

@@ -37,6 +37,7 @@ class LossBenchConfig:
     mem_limit_gib: float = 20.0
     timeout_s: int = 1800
     out: str = "benchmarks/results/loss-cpu"
+    report_only: bool = False
 
 
 def run_point(cfg: LossBenchConfig, impl: str, tokens: int) -> dict:
@@ -85,6 +86,46 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, judged on one run's ratios. An OOM of a baseline counts as a win, marked so."""
+    by = {(r["impl"], r["tokens"]): r for r in rows}
+    out = []
+    for n in sorted({r["tokens"] for r in rows}):
+        f = by.get(("fused", n))
+        if f is None or f["status"] != "ok":
+            continue
+        out.append(_target("fused peak <= 1.15 x floor + chunk budget", n, f["peak_bytes"] / 2**30,
+                           f["mem_target_bytes"] / 2**30, f["peak_bytes"] <= f["mem_target_bytes"]))
+        out.append(_target("fused time <= 1.15 x three-GEMM floor", n, f["time_over_floor"], 1.15,
+                           f["time_over_floor"] <= 1.15))
+        for other in ("chunked", "dense"):
+            r = by.get((other, n))
+            if n >= 4096 and r is not None:
+                out.append(_vs(f"fused faster than {other}", n, r, "time_vs_fused", 1.0))
+        if n == 16384 and ("dense", n) in by:
+            out.append(_vs("dense peak >= 10 x fused peak", n, by[("dense", n)], "mem_vs_fused", 10.0))
+    return out
+
+
+def _target(name, n, value, limit, ok, note=""):
+    return {"target": name, "tokens": n, "value": value, "limit": limit, "pass": bool(ok), "note": note}
+
+
+def _vs(name, n, row, key, limit):
+    if row["status"] != "ok":
+        return _target(name, n, None, limit, row["status"] == "oom", f"{row['impl']} {row['status']}")
+    return _target(name, n, row[key], limit, row[key] > limit if limit == 1.0 else row[key] >= limit)
+
+
+def targets_table(targets: list[dict]) -> str:
+    lines = []
+    for t in targets:
+        value = t["note"] if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']:<44} {t['tokens']:>7}  {value:>10}  "
+                     f"(limit {t['limit']:.3f})")
+    return "\n".join(lines)
+
+
 def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     keys = sorted({k for r in rows for k in r} | set(meta))
@@ -93,7 +134,8 @@ def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
         writer.writeheader()
         for r in rows:
             writer.writerow({**meta, **{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()}})
-    summary = {"bench": "loss", "config": asdict(cfg), "stamp": meta, "points": rows}
+    summary = {"bench": "loss", "config": asdict(cfg), "stamp": meta, "points": rows,
+               "targets": check_targets(rows)}
     with open(os.path.join(cfg.out, "loss.json"), "w") as f:
         json.dump(summary, f, indent=1)
     plot(rows, cfg, meta, os.path.join(cfg.out, "loss.png"))
@@ -130,7 +172,23 @@ def plot(rows: list[dict], cfg: LossBenchConfig, meta: dict, path: str) -> None:
     plt.close(fig)
 
 
+def report(cfg: LossBenchConfig) -> dict:
+    """Re-print table and targets of a stored run (cfg.out/loss.json) without measuring again."""
+    with open(os.path.join(cfg.out, "loss.json")) as f:
+        summary = json.load(f)
+    rows = summary["points"]
+    add_ratios(rows)
+    summary["targets"] = check_targets(rows)
+    with open(os.path.join(cfg.out, "loss.json"), "w") as f:  # older runs gain the targets section
+        json.dump(summary, f, indent=1)
+    print(table(rows))
+    print(targets_table(summary["targets"]))
+    return summary
+
+
 def run_loss_bench(cfg: LossBenchConfig) -> dict:
+    if cfg.report_only:
+        return report(cfg)
     meta = stamp(cfg.device)
     points = [(impl, n) for n in cfg.lengths for impl in cfg.impls]
     rows = []
@@ -142,5 +200,7 @@ def run_loss_bench(cfg: LossBenchConfig) -> dict:
     add_ratios(rows)
     print(table(rows))
     summary = write_outputs(rows, cfg, meta)
-    print(json.dumps({"bench": "loss", "out": cfg.out, "commit": meta["commit"], "points": rows}))
+    print(targets_table(summary["targets"]))
+    print(json.dumps({"bench": "loss", "out": cfg.out, "commit": meta["commit"], "points": rows,
+                      "targets": summary["targets"]}))
     return summary
