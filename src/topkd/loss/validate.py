@@ -18,6 +18,7 @@ REDUCTIONS = ("mean", "sum", "none")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOGPROB_SLACK = 1e-4  # log-probs above this are not log-probs (rounding gives ~1e-7)
 MASS_SLACK = 1e-2  # teacher top-K mass above 1 + this means unnormalised input
+VALUE_CHECK_ROWS = 4096  # value checks walk rows in blocks so they add no O(N K) float64 peak
 
 
 def _need(ok: bool, message: str) -> None:
@@ -100,19 +101,19 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
     lo, hi = int(ids.min()), int(ids.max())
     _need(lo >= 0 and hi < vocab, f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
           "is the cache built for another vocabulary?")
-    if ids.shape[-1] > 1:
-        s = ids.sort(dim=-1).values
-        dup = (s[:, 1:] == s[:, :-1]).any(dim=-1)
-        if bool(dup.any()):
-            raise ValueError(f"teacher_ids: expected K distinct ids per token, got duplicates in {int(dup.sum())} "
-                             f"token(s) (first at counted row {int(dup.nonzero()[0])}); drop repeated ids")
+    dup_rows, mass = 0, 0.0
+    for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):  # blocks: no N x K float64 temporaries
+        dup_rows += _duplicate_rows(ids[a:a + VALUE_CHECK_ROWS])
+        mass = max(mass, logprobs[a:a + VALUE_CHECK_ROWS].double().exp().sum(-1).max().item())
+    if dup_rows:
+        raise ValueError(f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
+                         "token(s); drop repeated ids")
     bad = ~torch.isfinite(logprobs)
     _need(not bool(bad.any()), f"teacher_logprobs: expected finite values, got {int(bad.sum())} NaN/inf; "
           "mask those tokens out or repair the cache")
     top = float(logprobs.max())
     _need(top <= LOGPROB_SLACK, f"teacher_logprobs: expected log-probabilities (<= 0), got max {top:.4g}; "
           "pass log_softmax(teacher_logits) over the full vocabulary, not raw logits")
-    mass = logprobs.double().exp().sum(-1).max().item()
     _need(mass <= 1 + MASS_SLACK, f"teacher_logprobs: expected top-K mass <= 1, got {mass:.4g}; normalise over "
           "the full vocabulary at T=1 (log_softmax), not over the top-K")
     if logz is not None:
@@ -126,6 +127,13 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
             raise ValueError(f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
                              f"[{int(valid.min())}, {int(valid.max())}]")
+
+
+def _duplicate_rows(ids: Tensor) -> int:
+    if ids.shape[-1] < 2:
+        return 0
+    s = ids.sort(dim=-1).values
+    return int((s[:, 1:] == s[:, :-1]).any(dim=-1).sum())
 
 
 def check_temperature_tail(tail: str, temperature: float, has_logz: bool) -> None:
