@@ -5,8 +5,9 @@
 Prints one JSON line. Peak memory on CPU is VmHWM after writing 5 to /proc/self/clear_refs,
 minus the process's RSS before any input existed (so inputs, gradients and temporaries
 count, the Python runtime does not); on CUDA, max_memory_allocated. The first (measured)
-run also warms up; time is the median of --repeats further runs; the three-GEMM floor
-(logits, dX, dW over the same chunk rows, into reused buffers) is timed in the same process.
+run also warms up; then --repeats pairs of (three-GEMM floor, impl) runs are timed,
+interleaved so both see the same machine, and each time is the median of its runs. The
+floor is logits, dX and dW over the same chunk rows, into reused buffers.
 An allocation failure is a result ("oom"), not a crash: on CPU the address space is capped
 with RLIMIT_AS so the allocator fails cleanly instead of waking the OOM killer.
 """
@@ -121,17 +122,15 @@ def three_gemm_step(x: torch.Tensor, w: torch.Tensor, chunk: int):
     return step
 
 
-def timed(fn, repeats: int, device) -> float:
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(fn, device) -> float:
+    """Seconds for one call of fn (device-synchronised)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str, device_name: str,
@@ -154,7 +153,7 @@ def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str,
     inputs["x"].grad = inputs["w"].grad = None
     chunk = chunk_rows(vocab, dtype, LossSpec(), False)
     floor = three_gemm_step(inputs["x"], inputs["w"], chunk)
-    pairs = [(timed(floor, 1, device), timed(lambda: _fresh_grads(step, inputs), 1, device)) for _ in range(repeats)]
+    pairs = [(timed(floor, device), timed(lambda: _fresh_grads(step, inputs), device)) for _ in range(repeats)]
     row["floor_time_s"] = statistics.median(p[0] for p in pairs)  # interleaved: both see the same drift
     row["time_s"] = statistics.median(p[1] for p in pairs)
     row["chunk_rows"] = chunk

@@ -13,6 +13,7 @@ directly, never as 1 - sum q, so it stays accurate when the teacher covers nearl
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -104,8 +105,8 @@ def chunk_step(
     if untempered is None and labels is not None:
         total1, lse1 = total, m + total.log()
     log_total = total.log()
-    tiny_log = torch.log(torch.tensor(torch.finfo(cdt).tiny, dtype=cdt, device=z.device))
-    log_q = torch.cat([z_ids - log_total.unsqueeze(1), (tail_sum.log() - log_total).clamp_min(tiny_log).unsqueeze(1)], 1)
+    log_q_tail = (tail_sum.log() - log_total).clamp_min(math.log(torch.finfo(cdt).tiny))
+    log_q = torch.cat([z_ids - log_total.unsqueeze(1), log_q_tail.unsqueeze(1)], 1)
     p, log_p = teacher_buckets(rows.logprobs.to(cdt), None if rows.logz is None else rows.logz.to(cdt),
                                spec.tail, temp, spec.full_support)
     divergence = DIVERGENCES[spec.divergence]

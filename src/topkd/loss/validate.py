@@ -101,10 +101,16 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
     lo, hi = int(ids.min()), int(ids.max())
     _need(lo >= 0 and hi < vocab, f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
           "is the cache built for another vocabulary?")
-    dup_rows, mass = 0, 0.0
+    tempered_logz = logz if (logz is not None and tail == "bucket") else None
+    dup_rows, mass, tempered = 0, 0.0, 0.0
     for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):  # blocks: no N x K float64 temporaries
-        dup_rows += _duplicate_rows(ids[a:a + VALUE_CHECK_ROWS])
-        mass = max(mass, logprobs[a:a + VALUE_CHECK_ROWS].double().exp().sum(-1).max().item())
+        block = slice(a, a + VALUE_CHECK_ROWS)
+        dup_rows += _duplicate_rows(ids[block])
+        lp = logprobs[block].double()
+        mass = max(mass, lp.exp().sum(-1).max().item())
+        if tempered_logz is not None:
+            shifted = lp / temperature - tempered_logz[block].double().unsqueeze(-1)
+            tempered = max(tempered, shifted.exp().sum(-1).max().item())
     if dup_rows:
         raise ValueError(f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
                          "token(s); drop repeated ids")
@@ -118,8 +124,7 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
           "the full vocabulary at T=1 (log_softmax), not over the top-K")
     if logz is not None:
         _need(bool(torch.isfinite(logz).all()), "teacher_logz: expected finite c_T values, got NaN/inf")
-        if tail == "bucket":
-            tempered = (logprobs.double() / temperature - logz.double().unsqueeze(-1)).exp().sum(-1).max().item()
+        if tempered_logz is not None:
             _need(tempered <= 1 + MASS_SLACK, f"teacher_logz: tempered top-K mass exp(a/T - c_T) sums to "
                   f"{tempered:.4g} > 1; c_T must be log sum_v exp(a_v/T) over the full vocabulary at T={temperature}")
     if labels is not None:
