@@ -23,6 +23,7 @@ BENCH_HELP = {
     "mem_limit_gib": "CPU address-space cap per point, so OOM is a clean result (0: none)",
     "timeout_s": "seconds before a point is recorded as a timeout",
     "out": "output directory for loss.csv, loss.json, loss.png",
+    "no_huge_pages": "do not set THP_MEM_ALLOC_ENABLE=1 (torch's huge-page CPU allocator) for the points",
     "report_only": "re-print the table and targets of the run stored in --out, measuring nothing",
 }
 

@@ -20,7 +20,8 @@ def test_tiny_sweep_writes_every_output(tmp_path, capsys):
     main(["bench", "loss", "--out", str(out), "--report-only"])
     assert "fused peak <= 1.15 x floor" in capsys.readouterr().out
     dense96 = next(p for p in last["points"] if p["impl"] == "dense" and p["tokens"] == 96)
-    assert dense96["mem_vs_fused"] > 0 and dense96["peak_bytes"] > 0 and dense96["time_over_floor"] > 0
+    assert dense96["peak_bytes"] > 0 and dense96["time_over_floor"] > 0 and dense96["time_vs_fused"] > 0
+    assert json.load(open(out / "loss.json"))["stamp"]["huge_pages"] is True
 
 
 def test_out_of_memory_is_a_result_not_a_crash(tmp_path):
@@ -36,3 +37,13 @@ def test_table_marks_failures():
     add_ratios(rows)
     assert rows[0]["mem_over_floor"] == 2 and rows[0]["time_vs_fused"] == 1
     assert "OOM" in table(rows)
+
+
+def test_a_fused_peak_of_zero_gives_no_memory_ratio():
+    rows = [{"impl": "fused", "tokens": 8, "status": "ok", "peak_bytes": 0, "floor_bytes": 1, "time_s": 2.0,
+             "floor_time_s": 1.0, "flops": 6e9},
+            {"impl": "dense", "tokens": 8, "status": "ok", "peak_bytes": 5, "floor_bytes": 1, "time_s": 4.0,
+             "floor_time_s": 1.0, "flops": 6e9}]
+    add_ratios(rows)
+    assert "mem_vs_fused" not in rows[1] and rows[1]["time_vs_fused"] == 2
+    assert "nan" in table(rows)

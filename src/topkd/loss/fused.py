@@ -64,7 +64,8 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
     n, cdt = len(rows), compute_dtype(hidden.dtype)
     grads = _Grads(
         hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden)) if needs[0] else None,
-        weight=torch.zeros(weight.shape, dtype=cdt, device=weight.device) if needs[1] else None,
+        # dW is written by the first chunk's GEMM, not zero-filled first (n == 0 still needs zeros)
+        weight=(torch.empty if n else torch.zeros)(weight.shape, dtype=cdt, device=weight.device) if needs[1] else None,
         bias=torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if needs[2] else None,
     )
     kd_tok = torch.empty(n, dtype=cdt, device=hidden.device)
@@ -82,7 +83,7 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
         if ce_tok is not None:
             ce_tok[start:end] = ce
         if want_grad:
-            _spend_grad(z, x, weight, grads, row_index, start, end)
+            _spend_grad(z, x, weight, grads, row_index, start, end, first=start == 0)
     return kd_tok, ce_tok, grads
 
 
@@ -96,8 +97,9 @@ def _project(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Ten
     return out
 
 
-def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index, start: int, end: int) -> None:
-    """dX rows = dz W; dW += dz^T x; db += sum dz (dW, db accumulate in the compute dtype)."""
+def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index, start: int, end: int,
+                first: bool) -> None:
+    """dX rows = dz W; dW (=, then +=) dz^T x; db += sum dz (dW, db accumulate in the compute dtype)."""
     dz_in = dz if dz.dtype == x.dtype else dz.to(x.dtype)
     if grads.hidden is not None:
         if row_index is None:
@@ -106,7 +108,12 @@ def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index,
             grads.hidden.index_copy_(0, row_index[start:end], dz_in @ weight)
     if grads.weight is not None:
         if dz_in.dtype == grads.weight.dtype:
-            grads.weight.addmm_(dz_in.t(), x)
+            if first:
+                torch.mm(dz_in.t(), x, out=grads.weight)
+            else:
+                grads.weight.addmm_(dz_in.t(), x)
+        elif first:
+            grads.weight.copy_(dz_in.t() @ x)
         else:
             grads.weight.add_(dz_in.t() @ x)
     if grads.bias is not None:
