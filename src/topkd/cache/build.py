@@ -1,0 +1,181 @@
+"""`topkd cache build`: run a teacher once over token data and write its top-K cache.
+
+    topkd cache build --teacher MODEL_DIR_OR_GGUF --data a.txt b.jsonl --out CACHE --seq-len 2048 --k 100
+    torchrun --nproc_per_node 2 -m topkd.cli cache build ...      # rank r builds shards j = r mod world
+
+Resumable: shards whose sidecar verifies are skipped, so killing the build at any moment and
+rerunning the same command continues and yields the same bytes as an uninterrupted run.
+The manifest is written last by rank 0; a cache without it is refused by the reader.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from topkd.cache import manifest as mf
+from topkd.cache.data import check_paths, iter_documents, pack_sequences
+from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
+from topkd.cache.teacher import Teacher, load_teacher
+
+
+@dataclass
+class CacheBuildConfig:
+    teacher: str = ""
+    data: list[str] = field(default_factory=list)
+    out: str = ""
+    seq_len: int = 2048
+    k: int = 100
+    temperatures: list[float] = field(default_factory=list)
+    codec: str = "rice"
+    seqs_per_shard: int = 64
+    batch_size: int = 4
+    max_sequences: int = 0
+    text_field: str = "text"
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+BUILD_HELP = {
+    "teacher": "teacher: a local Hugging Face model directory, or a .gguf file",
+    "data": "input files: .txt (one document each), .jsonl (one document per line), .npy (token ids)",
+    "out": "cache directory (created; a rerun with the same arguments resumes)",
+    "seq_len": "tokens per sequence (documents are packed, EOS-separated; the last sequence may be shorter)",
+    "k": "top-K log-probs kept per token",
+    "temperatures": "comma-separated T values whose normaliser c_T is stored per token (tempered bucket KD)",
+    "codec": "id codec: rice (sorted ids, Rice-coded gaps; smallest) | packed (ceil(log2 V) bits per id)",
+    "seqs_per_shard": "sequences per shard file (the unit of work a crash can lose)",
+    "batch_size": "sequences per teacher forward",
+    "max_sequences": "stop after this many sequences (0: all of the data)",
+    "text_field": "JSONL field holding the text",
+    "dtype": "teacher weights dtype: float32 | bfloat16 | float16 (the lm_head math is always fp32)",
+    "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK)",
+}
+
+
+def check_config(cfg: CacheBuildConfig) -> None:
+    if not cfg.teacher or not cfg.out:
+        raise ValueError(f"expected --teacher and --out, got teacher={cfg.teacher!r} out={cfg.out!r}")
+    check_paths(cfg.data)
+    if cfg.codec not in CODECS:
+        raise ValueError(f"codec: expected one of {CODECS}, got {cfg.codec!r}")
+    for name in ("seq_len", "k", "seqs_per_shard", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {getattr(cfg, name)}")
+    if any(not t > 0 for t in cfg.temperatures):
+        raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: expected float32 | bfloat16 | float16, got {cfg.dtype!r}")
+
+
+def build(cfg: CacheBuildConfig) -> dict:
+    """Build (or resume) the cache in cfg.out; returns the manifest."""
+    check_config(cfg)
+    rank, world = _distributed(cfg.device)
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cfg.device == "cuda" else cfg.device
+    teacher = load_teacher(cfg.teacher, cfg.dtype, device)
+    fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
+    build_info = _build_info(cfg, teacher)
+    build_hash = mf.json_sha256({"fingerprint": fingerprint, "build": build_info})
+    existing = _finished(cfg.out, build_hash)
+    if existing is not None:
+        return existing
+    os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)
+    n_shards = _build_shards(teacher, cfg, build_hash, rank, world)
+    if world > 1:
+        torch.distributed.barrier()
+    if rank != 0:
+        return {}
+    sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
+    missing = [j for j, s in enumerate(sidecars) if s is None]
+    if missing:
+        raise mf.CacheError(f"shards {missing[:10]} are missing or failed verification; rerun the same command")
+    return mf.write_manifest(cfg.out, fingerprint, build_info, sidecars)
+
+
+def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int) -> int:
+    seqs = pack_sequences(iter_documents(cfg.data, teacher.tokenizer, cfg.text_field), cfg.seq_len,
+                          teacher.tokenizer.eos_token_id)
+    if cfg.max_sequences:
+        seqs = itertools.islice(seqs, cfg.max_sequences)
+    bar = tqdm(desc=f"cache build (rank {rank})" if world > 1 else "cache build", unit="tok", unit_scale=True,
+               disable=None)
+    written, start, n_shards = 0, time.perf_counter(), 0
+    for j, group in enumerate(_batched(seqs, cfg.seqs_per_shard)):
+        n_shards = j + 1
+        tokens = sum(len(s.tokens) for s in group)
+        if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
+            bar.update(tokens if j % world == rank else 0)
+            continue
+        rows = [_teacher_sequence(s, r) for s, r in zip(group, _teacher_rows(teacher, group, cfg))]
+        arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec)
+        nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
+        mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash)
+        written += nbytes
+        bar.update(tokens)
+        bar.set_postfix(shards=n_shards, MB=f"{written / 1e6:.1f}", B_per_tok=f"{nbytes / tokens:.0f}",
+                        s=f"{time.perf_counter() - start:.0f}")
+    bar.close()
+    return n_shards
+
+
+def _teacher_rows(teacher: Teacher, group, cfg: CacheBuildConfig) -> list[dict]:
+    """Teacher top-K rows for each sequence of a shard, batching sequences of equal length."""
+    out: list[dict | None] = [None] * len(group)
+    by_len: dict[int, list[int]] = {}
+    for i, s in enumerate(group):
+        by_len.setdefault(len(s.tokens), []).append(i)
+    for length, idx in by_len.items():
+        for b in range(0, len(idx), cfg.batch_size):
+            batch = idx[b:b + cfg.batch_size]
+            ids = torch.from_numpy(np.stack([group[i].tokens for i in batch])).to(teacher.model.device)
+            rows = teacher.topk_rows(ids, cfg.k, tuple(cfg.temperatures))
+            for n, i in enumerate(batch):
+                out[i] = {name: v[n * length:(n + 1) * length] for name, v in rows.items()}
+    return out
+
+
+def _teacher_sequence(seq, rows: dict) -> TeacherSequence:
+    return TeacherSequence(input_ids=seq.tokens, ids=rows["ids"], logprobs=rows["logprobs"],
+                           log_mass=rows["log_mass"], log_tail=rows["log_tail"], logz=rows["logz"],
+                           doc_starts=seq.doc_starts, source_index=seq.index, token_offset=seq.token_offset)
+
+
+def _batched(iterable, n: int):
+    it = iter(iterable)
+    while group := list(itertools.islice(it, n)):
+        yield group
+
+
+def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
+    """Everything besides the teacher that decides the cache's bytes: data files and settings."""
+    data = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": mf.file_sha256(p)} for p in cfg.data]
+    keep = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "codec", "seqs_per_shard", "max_sequences",
+                                                             "text_field")}
+    return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}
+
+
+def _finished(root: str, build_hash: str) -> dict | None:
+    """The manifest if this exact build already finished; a different finished build is refused."""
+    if not os.path.exists(os.path.join(root, mf.MANIFEST)):
+        return None
+    manifest = mf.load_manifest(root)
+    if manifest["build_hash"] != build_hash:
+        raise mf.CacheError(f"{root} holds a finished cache from a different build (teacher, data or settings "
+                            "differ); use a new --out directory, or delete it to rebuild")
+    return manifest
+
+
+def _distributed(device: str) -> tuple[int, int]:
+    """(rank, world) under torchrun (gloo on CPU, nccl on CUDA); (0, 1) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo")
+    return torch.distributed.get_rank(), world

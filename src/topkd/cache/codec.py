@@ -1,0 +1,122 @@
+"""Bit-level codecs of the top-K cache: id packing, Rice-coded id gaps, log-prob quantisation.
+
+Pure numpy, vectorised over all tokens of a sequence; docs/cache-format.md is the prose spec
+and tests/cache/test_codec.py pins it. Two id codecs:
+
+- "packed": each id in ceil(log2 V) bits, in the teacher's rank order (descending log-prob).
+  Fixed bytes per token; any V up to 2^32.
+- "rice" (default): ids sorted ascending, gaps g_0 = id_0, g_i = id_i - id_{i-1} - 1 Rice-coded
+  with one parameter b per shard: the low b bits of each gap bit-packed at a fixed width, the
+  high part (g >> b) in unary (that many 1 bits, then a 0) in a per-sequence bit stream.
+  Top-K ids of real teachers cluster (frequent tokens, similar tokens), so gaps are small.
+
+Log-probs are stored as one uint8 code per entry on a companded scale of the gap below the
+top-1, d = a_max - a_k >= 0:  u = 1 - exp(-d / COMPAND), code = min(round(255 u), 254).
+Steps are fine where the mass is (0.008 nats at the top) and coarse where it is not, which
+spreads the KL cost of rounding evenly over the K entries; the decoder renormalises the
+entries to the exact top-K mass stored per token, so the mass split with the tail is exact.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+COMPAND = 3.0  # nats; code 254 decodes to d = COMPAND * ln(255) = 16.6 nats below the top-1
+MAX_CODE = 254
+
+
+def id_bits(vocab: int) -> int:
+    """Bits per id for the packed codec: ceil(log2 V), at least 1."""
+    if vocab < 1:
+        raise ValueError(f"vocab: expected >= 1, got {vocab}")
+    return max(1, (vocab - 1).bit_length())
+
+
+def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
+    """[T, K] non-negative ints < 2^width -> [T, ceil(K width / 8)] uint8, little-endian bit order."""
+    if width == 0:
+        return np.zeros((values.shape[0], 0), dtype=np.uint8)
+    v = values.astype(np.uint64, copy=False)
+    shifts = np.arange(width, dtype=np.uint64)
+    bits = ((v[..., None] >> shifts) & np.uint64(1)).astype(np.uint8)  # [T, K, width]
+    return np.packbits(bits.reshape(values.shape[0], -1), axis=1, bitorder="little")
+
+
+def unpack_bits(packed: np.ndarray, k: int, width: int) -> np.ndarray:
+    """Inverse of pack_bits: [T, ceil(K width / 8)] uint8 -> [T, K] int64."""
+    if width == 0:
+        return np.zeros((packed.shape[0], k), dtype=np.int64)
+    bits = np.unpackbits(packed, axis=1, count=k * width, bitorder="little").reshape(packed.shape[0], k, width)
+    weights = (np.int64(1) << np.arange(width, dtype=np.int64))
+    return bits.astype(np.int64) @ weights
+
+
+def id_gaps(sorted_ids: np.ndarray) -> np.ndarray:
+    """Ascending distinct ids [T, K] -> gaps >= 0 (first id, then distance - 1)."""
+    gaps = np.diff(sorted_ids, axis=1, prepend=-1) - 1
+    if gaps.size and gaps.min() < 0:
+        raise ValueError("teacher ids: expected K distinct ids per token, got a repeated id; "
+                         "top-K ids from torch.topk are always distinct, check the producer")
+    return gaps
+
+
+def best_rice_parameter(gaps: np.ndarray) -> int:
+    """The b minimising the exact Rice size sum((g >> b) + 1 + b) over these gaps."""
+    if gaps.size == 0:
+        return 0
+    top = int(gaps.max()).bit_length()
+    sizes = [int((gaps >> b).sum()) + gaps.size * (1 + b) for b in range(top + 1)]
+    return int(np.argmin(sizes))
+
+
+def encode_unary(quotients: np.ndarray) -> np.ndarray:
+    """1-D quotients -> packed bit stream: q ones then a zero each, little-endian bits, zero padded."""
+    q = quotients.reshape(-1).astype(np.int64)
+    bits = np.ones(int(q.sum()) + q.size, dtype=np.uint8)
+    bits[np.cumsum(q + 1) - 1] = 0
+    return np.packbits(bits, bitorder="little")
+
+
+def decode_unary(stream: np.ndarray, count: int) -> np.ndarray:
+    """First `count` unary codes of a packed bit stream -> int64 quotients."""
+    zeros = np.flatnonzero(np.unpackbits(stream, bitorder="little") == 0)[:count]
+    if zeros.size != count:
+        raise ValueError(f"unary stream: expected {count} codes, found {zeros.size}; the shard is corrupt")
+    return np.diff(zeros, prepend=-1) - 1
+
+
+def encode_rice(ids: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ids [T, K] (any order) -> (ascending order permutation, remainders [T, bytes], unary stream)."""
+    order = np.argsort(ids, axis=1, kind="stable")
+    gaps = id_gaps(np.take_along_axis(ids, order, axis=1).astype(np.int64))
+    remainders = pack_bits(gaps & ((1 << b) - 1), b)
+    return order, remainders, encode_unary(gaps >> b)
+
+
+def decode_rice(remainders: np.ndarray, stream: np.ndarray, k: int, b: int) -> np.ndarray:
+    """Inverse of encode_rice: ascending ids [T, K] int64."""
+    t = remainders.shape[0]
+    quotients = decode_unary(stream, t * k).reshape(t, k)
+    gaps = (quotients << b) | unpack_bits(remainders, k, b)
+    return np.cumsum(gaps + 1, axis=1) - 1
+
+
+def quantise_logprobs(logprobs: np.ndarray) -> np.ndarray:
+    """[T, K] float log-probs (any order) -> uint8 codes of the companded gap below each row's max."""
+    lp = logprobs.astype(np.float64)
+    d = lp.max(axis=1, keepdims=True) - lp
+    u = -np.expm1(-d / COMPAND)
+    return np.minimum(np.rint(u * (MAX_CODE + 1)), MAX_CODE).astype(np.uint8)
+
+
+_DECODE_TABLE = np.array([-COMPAND * math.log1p(-c / (MAX_CODE + 1)) for c in range(MAX_CODE + 1)])
+
+
+def dequantise_logprobs(codes: np.ndarray, log_mass: np.ndarray) -> np.ndarray:
+    """uint8 codes [T, K] + exact log top-K mass [T] -> float32 log-probs with that exact mass."""
+    if codes.size and codes.max() > MAX_CODE:
+        raise ValueError(f"log-prob codes: expected 0..{MAX_CODE}, got {int(codes.max())}; the shard is corrupt")
+    neg_d = -_DECODE_TABLE[codes]
+    shift = np.log(np.exp(neg_d).sum(axis=1, keepdims=True))  # max entry is 0, so no overflow
+    return (neg_d - shift + log_mass.astype(np.float64)[:, None]).astype(np.float32)

@@ -1,0 +1,113 @@
+"""Read a top-K cache: `TopKCache(path)[i]` decodes sequence i to torch tensors.
+
+    cache = topkd.cache.TopKCache("runs/cache")
+    row = cache[0]      # input_ids [L], teacher_ids [L, K], teacher_logprobs [L, K], log_tail [L], logz [L, nT], ...
+    cache.check_student(vocab_size=model.config.vocab_size, tokenizer=tok)
+
+Opening validates the manifest and every shard's size and header (cheap); `verify()` checks
+every checksum. Shards are memory-mapped lazily and re-opened after a fork, so the cache can be
+handed to DataLoader workers as it is.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+
+from topkd.cache import manifest as mf
+from topkd.cache.shard import ShardReader
+from topkd.cache.teacher import tokenizer_hash
+
+SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "lp_codes", "seq_rows", "seq_source",
+                 "seq_token_offset", "doc_starts"}
+CODEC_TENSORS = {"rice": {"id_rem", "id_unary", "unary_offsets"}, "packed": {"ids_packed"}}
+
+
+class TopKCache:
+    def __init__(self, path: str):
+        self.path = path
+        self.manifest = mf.load_manifest(path)
+        self.fingerprint = self.manifest["fingerprint"]
+        self.vocab_size, self.k = int(self.fingerprint["vocab_size"]), int(self.fingerprint["k"])
+        self.temperatures = list(self.fingerprint["temperatures"])
+        shards = self.manifest["shards"]
+        self._first = [s["sequences"][0] for s in shards]
+        self._len = shards[-1]["sequences"][1] if shards else 0
+        self._readers: dict[int, ShardReader] = {}
+        for j, side in enumerate(shards):
+            problem = mf.check_shard(path, side, checksum=False)
+            if problem:
+                raise mf.CacheError(f"cache {path}: {problem}; run `topkd cache verify {path}`, then rebuild "
+                                    "(rerunning the build command redoes only the bad shards once they are deleted)")
+            self._check_header(j, side)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokens(self) -> int:
+        return int(self.manifest["totals"]["tokens"])
+
+    def _shard(self, j: int) -> ShardReader:
+        if j not in self._readers:
+            self._readers[j] = ShardReader(os.path.join(self.path, self.manifest["shards"][j]["file"]))
+        return self._readers[j]
+
+    def _check_header(self, j: int, side: dict) -> None:
+        try:
+            shard = self._shard(j)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise mf.CacheError(f"cache {self.path}: {side['file']} has an unreadable header ({e}); the shard is "
+                                "corrupt: delete it and its .json sidecar, and rerun the build command")
+        expected = SHARD_TENSORS | CODEC_TENSORS.get(shard.codec, set())
+        n_seq = side["sequences"][1] - side["sequences"][0]
+        if shard.names != expected or len(shard) != n_seq or shard.k != self.k \
+                or int(shard.meta.get("vocab", -1)) != self.vocab_size:
+            raise mf.CacheError(f"cache {self.path}: {side['file']} does not match the manifest (tensors "
+                                f"{sorted(shard.names)}, {len(shard)} sequences, K={shard.k}; expected "
+                                f"{sorted(expected)}, {n_seq} sequences, K={self.k}); rebuild it")
+
+    def locate(self, i: int) -> tuple[int, int]:
+        if not -self._len <= i < self._len:
+            raise IndexError(f"sequence index {i} out of range for a cache of {self._len} sequences")
+        i %= self._len
+        j = bisect.bisect_right(self._first, i) - 1
+        return j, i - self._first[j]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor | int]:
+        j, local = self.locate(i)
+        seq = self._shard(j).sequence(local)
+        doc_start = np.zeros(len(seq), dtype=bool)
+        doc_start[seq.doc_starts] = True
+        return {"input_ids": torch.from_numpy(seq.input_ids), "teacher_ids": torch.from_numpy(seq.ids),
+                "teacher_logprobs": torch.from_numpy(seq.logprobs), "log_tail": torch.from_numpy(seq.log_tail),
+                "log_mass": torch.from_numpy(seq.log_mass), "logz": torch.from_numpy(seq.logz),
+                "doc_start": torch.from_numpy(doc_start), "source_index": seq.source_index,
+                "token_offset": seq.token_offset}
+
+    def __getstate__(self):  # pickled into DataLoader workers: shard handles are re-opened there
+        state = dict(self.__dict__)
+        state["_readers"] = {}
+        return state
+
+    def verify(self, progress: bool = False) -> list[str]:
+        """Every shard's size and sha256 against its sidecar; returns the problems (empty: all good)."""
+        from tqdm import tqdm
+
+        shards = self.manifest["shards"]
+        problems = [mf.check_shard(self.path, s) for s in tqdm(shards, desc="verify", unit="shard",
+                                                                  disable=not progress)]
+        return [p for p in problems if p]
+
+    def check_student(self, vocab_size: int, tokenizer=None) -> None:
+        """Refuse a student whose vocabulary or tokenizer differs from the teacher's."""
+        if vocab_size < self.vocab_size:
+            raise ValueError(f"student vocabulary: expected >= the cache's {self.vocab_size} (padded rows beyond it "
+                             f"are masked), got {vocab_size}; use a student with the teacher's tokenizer")
+        if tokenizer is not None and tokenizer_hash(tokenizer) != self.fingerprint["tokenizer_sha256"]:
+            raise ValueError(f"student tokenizer: expected the teacher's (sha256 "
+                             f"{self.fingerprint['tokenizer_sha256'][:12]}), got a different one (sha256 "
+                             f"{tokenizer_hash(tokenizer)[:12]}); token ids would not line up with the cache")

@@ -1,0 +1,146 @@
+"""One cache shard: consecutive sequences encoded into a safetensors file, and decoded back.
+
+    arrays, meta = encode_shard(sequences, vocab=V, codec="rice")
+    write_shard(path, arrays, meta)            # temp file, fsync, rename: never half-written
+    seq = ShardReader(path).sequence(j)        # j-th sequence of the shard, as numpy arrays
+
+docs/cache-format.md describes every tensor; tests/cache/test_golden.py pins the bytes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save
+
+from topkd.cache import codec
+
+FORMAT_VERSION = 1
+CODECS = ("rice", "packed")
+
+
+@dataclass
+class TeacherSequence:
+    """The teacher's top-K output for one sequence; row t holds p(x_{t+1} | x_<=t)."""
+
+    input_ids: np.ndarray  # [L] int
+    ids: np.ndarray  # [L, K] int, rank order (descending log-prob)
+    logprobs: np.ndarray  # [L, K] float32, sorted descending, normalised over the full vocabulary
+    log_mass: np.ndarray  # [L] float32, log of the top-K mass
+    log_tail: np.ndarray  # [L] float32, log of the mass outside the top-K (-inf when K = V)
+    logz: np.ndarray  # [L, n_temperatures] float32, c_T = log sum_v exp(a_v / T)
+    doc_starts: np.ndarray  # positions in [0, L) where a document begins
+    source_index: int = 0  # index of the sequence in the source data
+    token_offset: int = 0  # offset of its first token in the source token stream
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "rice") -> tuple[dict, dict]:
+    """Sequences -> (tensor name -> numpy array, string metadata) for one shard."""
+    if codec_name not in CODECS:
+        raise ValueError(f"codec: expected one of {CODECS}, got {codec_name!r}")
+    if not seqs:
+        raise ValueError("a shard needs at least one sequence, got none")
+    cat = lambda name: np.concatenate([getattr(s, name) for s in seqs])  # noqa: E731
+    ids, logprobs, k = cat("ids").astype(np.int64), cat("logprobs"), seqs[0].ids.shape[1]
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    rows = np.concatenate([[0], np.cumsum(lengths)])
+    arrays = {
+        "input_ids": cat("input_ids").astype(np.int32),
+        "log_mass": cat("log_mass").astype(np.float32),
+        "log_tail": cat("log_tail").astype(np.float32),
+        "logz": cat("logz").astype(np.float32).reshape(len(ids), -1),
+        "seq_rows": rows,
+        "seq_source": np.array([s.source_index for s in seqs], dtype=np.int64),
+        "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
+        "doc_starts": np.concatenate([s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]),
+    }
+    meta = {"format_version": str(FORMAT_VERSION), "codec": codec_name, "k": str(k), "vocab": str(vocab)}
+    if codec_name == "packed":
+        arrays["ids_packed"] = codec.pack_bits(ids, codec.id_bits(vocab))
+        arrays["lp_codes"] = codec.quantise_logprobs(logprobs)
+        return arrays, meta
+    b = codec.best_rice_parameter(codec.id_gaps(np.sort(ids, axis=1)))
+    parts = [codec.encode_rice(ids[a:e], b) for a, e in zip(rows, rows[1:])]  # one unary stream per sequence
+    order, streams = np.concatenate([p[0] for p in parts]), [p[2] for p in parts]
+    arrays["id_rem"] = np.concatenate([p[1] for p in parts])
+    arrays["id_unary"] = np.concatenate(streams)
+    arrays["unary_offsets"] = np.concatenate([[0], np.cumsum([len(s) for s in streams])]).astype(np.int64)
+    arrays["lp_codes"] = codec.quantise_logprobs(np.take_along_axis(logprobs, order, axis=1))
+    meta["rice_b"] = str(b)
+    return arrays, meta
+
+
+def write_shard(path: str, arrays: dict, meta: dict) -> int:
+    """Write atomically (temp file, fsync, rename); returns the byte size."""
+    data = save(arrays, metadata=meta)
+    write_atomic(path, data)
+    return len(data)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself must survive a crash
+    finally:
+        os.close(dir_fd)
+
+
+class ShardReader:
+    """Lazy, memory-mapped access to one shard; re-opens itself after a fork (DataLoader workers)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._pid, self._file = None, None
+        f = self._handle()
+        self.meta = f.metadata() or {}
+        self.names = set(f.keys())
+        self.seq_rows = f.get_tensor("seq_rows")
+        self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
+        self.unary_offsets = f.get_tensor("unary_offsets") if self.codec == "rice" else None
+        self.seq_source, self.seq_token_offset = f.get_tensor("seq_source"), f.get_tensor("seq_token_offset")
+        self.doc_starts = f.get_tensor("doc_starts")
+
+    def _handle(self):
+        if self._pid != os.getpid():
+            self._file, self._pid = safe_open(self.path, framework="np"), os.getpid()
+        return self._file
+
+    def __len__(self) -> int:
+        return len(self.seq_rows) - 1
+
+    def rows(self, name: str, start: int, end: int) -> np.ndarray:
+        return self._handle().get_slice(name)[start:end]
+
+    def tensor(self, name: str) -> np.ndarray:
+        return self._handle().get_tensor(name)
+
+    def sequence(self, j: int) -> TeacherSequence:
+        """Decode sequence j: ids in rank order, log-probs sorted descending with the exact top-K mass."""
+        a, e = int(self.seq_rows[j]), int(self.seq_rows[j + 1])
+        log_mass = self.rows("log_mass", a, e)
+        logprobs = codec.dequantise_logprobs(self.rows("lp_codes", a, e), log_mass)
+        if self.codec == "packed":
+            ids = codec.unpack_bits(self.rows("ids_packed", a, e), self.k, codec.id_bits(int(self.meta["vocab"])))
+        else:
+            ua, ue = int(self.unary_offsets[j]), int(self.unary_offsets[j + 1])
+            ids = codec.decode_rice(self.rows("id_rem", a, e), self.rows("id_unary", ua, ue), self.k,
+                                    int(self.meta["rice_b"]))
+            rank = np.argsort(-logprobs, axis=1, kind="stable")  # ties keep ascending id order
+            ids, logprobs = np.take_along_axis(ids, rank, 1), np.take_along_axis(logprobs, rank, 1)
+        starts = self.doc_starts[(self.doc_starts >= a) & (self.doc_starts < e)] - a
+        return TeacherSequence(
+            input_ids=self.rows("input_ids", a, e).astype(np.int64), ids=ids, logprobs=logprobs,
+            log_mass=log_mass, log_tail=self.rows("log_tail", a, e), logz=self.rows("logz", a, e),
+            doc_starts=starts, source_index=int(self.seq_source[j]), token_offset=int(self.seq_token_offset[j]))

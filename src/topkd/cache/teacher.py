@@ -1,0 +1,122 @@
+"""The teacher side of the cache: load an HF causal LM, and turn hidden states into top-K rows.
+
+    teacher = load_teacher("path/to/model_dir")            # or a .gguf file
+    rows = teacher.topk_rows(input_ids, k=100, temperatures=(2.0,))
+
+The body runs to the final hidden states; the lm_head then runs over token chunks in fp32
+(logsumexp, top-K, exact tail mass, c_T), so [batch, seq, vocab] never exists.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
+ALIGNMENT = "row t holds p(x_{t+1} | x_<=t)"
+
+
+@dataclass
+class Teacher:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str
+    dtype: torch.dtype
+
+    @property
+    def vocab(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """Final (normed) hidden states [B, L, H] from the model body: no logits."""
+        return self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+
+    @torch.inference_mode()
+    def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = ()) -> dict[str, np.ndarray]:
+        """[B, L] token ids -> per token (flattened B*L): ids, logprobs, log_mass, log_tail, logz."""
+        h = self.hidden_states(input_ids)
+        return head_topk(h.reshape(-1, h.shape[-1]), self.model.get_output_embeddings(), k, temperatures,
+                         getattr(self.model.config, "final_logit_softcapping", None))
+
+    def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
+        import transformers
+
+        import topkd
+
+        return {"teacher": self.source, "weights_sha256": weights_hash(self.model),
+                "config_sha256": _sha256_json(self.model.config.to_dict()),
+                "tokenizer_sha256": tokenizer_hash(self.tokenizer), "dtype": str(self.dtype).removeprefix("torch."),
+                "vocab_size": self.vocab, "k": k, "temperatures": list(temperatures),
+                "engine": f"transformers {transformers.__version__}", "topkd_version": topkd.__version__,
+                "alignment": ALIGNMENT}
+
+
+def head_topk(hidden: Tensor, head: torch.nn.Linear, k: int, temperatures=(), softcap: float | None = None,
+              chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict[str, np.ndarray]:
+    """Top-K log-probs of softmax(head(hidden)) over the full vocabulary, chunked over tokens, fp32."""
+    weight = head.weight.float()
+    bias = None if getattr(head, "bias", None) is None else head.bias.float()
+    vocab = weight.shape[0]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k: expected 1 <= k <= vocab size {vocab}, got {k}")
+    rows = max(1, chunk_bytes // (4 * vocab))
+    parts = [_chunk_topk(hidden[a:a + rows].float(), weight, bias, k, temperatures, softcap)
+             for a in range(0, hidden.shape[0], rows)]
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def _chunk_topk(h: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperatures, softcap) -> dict:
+    z = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    if softcap:  # Gemma-style final logit soft-capping is part of the teacher's distribution
+        z = torch.tanh(z / softcap) * softcap
+    lse = torch.logsumexp(z, dim=1)
+    logz = [torch.logsumexp(z / t, dim=1) - lse / t for t in temperatures]
+    values, ids = z.topk(k, dim=1)
+    logprobs = values - lse[:, None]
+    log_tail = torch.logsumexp(z.scatter_(1, ids, float("-inf")), dim=1) - lse  # summed directly: exact when tiny
+    return {"ids": ids.to(torch.int32).numpy(), "logprobs": logprobs.numpy(),
+            "log_mass": torch.logsumexp(logprobs, dim=1).numpy(), "log_tail": log_tail.numpy(),
+            "logz": torch.stack(logz, 1).numpy() if logz else np.zeros((len(h), 0), np.float32)}
+
+
+def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Teacher:
+    """An HF causal LM from a local directory, or a GGUF file (dequantised by transformers' gguf support)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.exists(source):
+        raise ValueError(f"teacher: expected a local model directory or .gguf file, got {source!r} (not found); "
+                         "download the model first, topkd never fetches from a hub")
+    torch_dtype = getattr(torch, dtype)
+    kwargs = {"dtype": torch_dtype}
+    where = source
+    if source.endswith(".gguf"):
+        where, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(source)), os.path.basename(source)
+    tokenizer = AutoTokenizer.from_pretrained(where, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    model = AutoModelForCausalLM.from_pretrained(where, **kwargs).to(device).eval()
+    return Teacher(model=model, tokenizer=tokenizer, source=os.path.abspath(source), dtype=torch_dtype)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer (name, dtype, shape, bytes), in state_dict order."""
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the vocabulary (token -> id) and the special tokens: equal iff tokenisation ids agree."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    return _sha256_json({"vocab": vocab, "special": special})
+
+
+def _sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
