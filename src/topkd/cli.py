@@ -1,15 +1,24 @@
 """The `topkd` command line: one command, subcommands per job.
 
+    topkd cache build --teacher MODEL --data corpus.txt --out runs/cache --seq-len 2048 --k 100
+    topkd cache verify runs/cache          # every checksum
+    topkd cache inspect runs/cache         # fingerprint, totals, bytes/token, top-K mass histogram
     topkd bench loss [--lengths 1024,4096] [--vocab 32768] [--hidden 512] [--out DIR]
+    topkd bench cache --teacher MODEL --data corpus.txt   # bytes/token, decode KL, build overhead
 
-Every subcommand is also a Python function (here: topkd.bench.loss.run_loss_bench).
+Every subcommand is also a Python function (topkd.cache.build, topkd.cache.inspect, ...).
 """
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
 
+from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_bench
 from topkd.bench.loss import LossBenchConfig, run_loss_bench
+from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
+from topkd.cache.inspect import inspect_cache, verify_cache
+from topkd.cache.manifest import CacheError
 
 BENCH_HELP = {
     "lengths": "comma-separated token counts (sequence lengths) to sweep",
@@ -26,6 +35,7 @@ BENCH_HELP = {
     "no_huge_pages": "do not set THP_MEM_ALLOC_ENABLE=1 (torch's huge-page CPU allocator) for the points",
     "report_only": "re-print the table and targets of the run stored in --out, measuring nothing",
 }
+MANY_VALUES = {"data"}  # list flags that take space-separated values (shell globs); others are comma-separated
 
 
 def _list_of(kind):
@@ -41,7 +51,11 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> No
         if isinstance(value, bool):
             parser.add_argument(flag, dest=f.name, action="store_true", help=helps[f.name])
             continue
-        kind = _list_of(int if f.name == "lengths" else str) if isinstance(value, list) else type(value)
+        if f.name in MANY_VALUES:
+            parser.add_argument(flag, dest=f.name, nargs="+", default=value, help=helps[f.name])
+            continue
+        item = {"list[int]": int, "list[float]": float}.get(str(f.type), str)
+        kind = _list_of(item) if isinstance(value, list) else type(value)
         shown = ",".join(map(str, value)) if isinstance(value, list) else value
         parser.add_argument(flag, dest=f.name, type=kind, default=value,
                             help=f"{helps[f.name]} (default: {shown})")
@@ -50,19 +64,46 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> No
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="topkd", description="memory-efficient LLM knowledge distillation")
     sub = parser.add_subparsers(dest="command", required=True)
+    cache = sub.add_parser("cache", help="teacher top-K cache: build, verify, inspect")
+    cache_sub = cache.add_subparsers(dest="cache", required=True)
+    add_dataclass_flags(cache_sub.add_parser("build", help="run the teacher once and write its top-K cache"),
+                        CacheBuildConfig, BUILD_HELP)
+    verify = cache_sub.add_parser("verify", help="check every shard's size and sha256")
+    verify.add_argument("path")
+    inspect = cache_sub.add_parser("inspect", help="fingerprint, totals, bytes/token, top-K mass histogram")
+    inspect.add_argument("path")
+    inspect.add_argument("--plot", default="", help="also write the histogram as a PNG here")
     bench = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     loss = bench_sub.add_parser("loss", help="projection-only KD loss: memory and time vs sequence length")
     add_dataclass_flags(loss, LossBenchConfig, BENCH_HELP)
+    cache_bench = bench_sub.add_parser("cache", help="cache bytes/token, decode fidelity, build overhead")
+    add_dataclass_flags(cache_bench, CacheBenchConfig, CACHE_BENCH_HELP)
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def _config(cls, args):
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and args.bench == "loss":
-        cfg = LossBenchConfig(**{f.name: getattr(args, f.name) for f in fields(LossBenchConfig)})
-        run_loss_bench(cfg)
+    try:
+        if args.command == "bench" and args.bench == "loss":
+            run_loss_bench(_config(LossBenchConfig, args))
+        elif args.command == "bench" and args.bench == "cache":
+            run_cache_bench(_config(CacheBenchConfig, args))
+        elif args.command == "cache" and args.cache == "build":
+            build(_config(CacheBuildConfig, args))
+        elif args.command == "cache" and args.cache == "verify":
+            return verify_cache(args.path)
+        elif args.command == "cache" and args.cache == "inspect":
+            inspect_cache(args.path, plot=args.plot or None)
+    except CacheError as e:  # a refused cache is a message for the user, not a traceback
+        print(f"topkd: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

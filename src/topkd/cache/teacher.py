@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from topkd.loss.chunk import row_blocks
+
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
 ALIGNMENT = "row t holds p(x_{t+1} | x_<=t)"
 
@@ -65,24 +67,43 @@ def head_topk(hidden: Tensor, head: torch.nn.Linear, k: int, temperatures=(), so
     vocab = weight.shape[0]
     if not 1 <= k <= vocab:
         raise ValueError(f"k: expected 1 <= k <= vocab size {vocab}, got {k}")
-    rows = max(1, chunk_bytes // (4 * vocab))
-    parts = [_chunk_topk(hidden[a:a + rows].float(), weight, bias, k, temperatures, softcap)
-             for a in range(0, hidden.shape[0], rows)]
+    rows = max(1, min(hidden.shape[0], chunk_bytes // (4 * vocab)))
+    logits = torch.empty(rows, vocab, device=hidden.device)  # reused: no page faults per chunk
+    scratch = torch.empty(row_blocks(logits)[0][1], vocab, device=hidden.device)  # one L2-sized row block
+    parts = []
+    for a in range(0, hidden.shape[0], rows):
+        h = hidden[a:a + rows].float()
+        z = logits[: len(h)]
+        torch.mm(h, weight.t(), out=z)
+        if bias is not None:
+            z.add_(bias)
+        if softcap:  # Gemma-style final logit soft-capping is part of the teacher's distribution
+            z.div_(softcap).tanh_().mul_(softcap)
+        parts.append(_chunk_topk(z, scratch, k, temperatures))
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
-def _chunk_topk(h: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperatures, softcap) -> dict:
-    z = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-    if softcap:  # Gemma-style final logit soft-capping is part of the teacher's distribution
-        z = torch.tanh(z / softcap) * softcap
-    lse = torch.logsumexp(z, dim=1)
-    logz = [torch.logsumexp(z / t, dim=1) - lse / t for t in temperatures]
-    values, ids = z.topk(k, dim=1)
-    logprobs = values - lse[:, None]
-    log_tail = torch.logsumexp(z.scatter_(1, ids, float("-inf")), dim=1) - lse  # summed directly: exact when tiny
+def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> dict:
+    """One chunk of logits (overwritten) -> top-K rows; passes walk L2-sized row blocks."""
+    n = z.shape[0]
+    values, ids = z.topk(k, dim=1)  # whole chunk at once: topk parallelises over rows
+    log_total, log_tail = torch.empty(n), torch.empty(n)
+    log_sums = torch.empty(len(temperatures), n)
+    for a, b in row_blocks(z):
+        zb, eb = z[a:b], scratch[: b - a]
+        m = zb.amax(dim=1, keepdim=True)
+        zb.sub_(m)  # shifted: max 0, so exp never overflows
+        values[a:b] -= m
+        for i, t in enumerate(temperatures):  # c_T = log sum exp(z/T) - lse(z)/T, on the shifted logits
+            log_sums[i, a:b] = torch.mul(zb, 1.0 / t, out=eb).exp_().sum(dim=1).log_()
+        torch.exp(zb, out=eb)
+        log_total[a:b] = eb.sum(dim=1).log_()
+        log_tail[a:b] = eb.scatter_(1, ids[a:b], 0.0).sum(dim=1).log_()  # summed directly: exact when tiny
+    logprobs = values - log_total[:, None]
+    logz = [log_sums[i] - log_total / t for i, t in enumerate(temperatures)]
     return {"ids": ids.to(torch.int32).numpy(), "logprobs": logprobs.numpy(),
-            "log_mass": torch.logsumexp(logprobs, dim=1).numpy(), "log_tail": log_tail.numpy(),
-            "logz": torch.stack(logz, 1).numpy() if logz else np.zeros((len(h), 0), np.float32)}
+            "log_mass": torch.logsumexp(logprobs, dim=1).numpy(), "log_tail": (log_tail - log_total).numpy(),
+            "logz": torch.stack(logz, 1).numpy() if logz else np.zeros((n, 0), np.float32)}
 
 
 def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Teacher:

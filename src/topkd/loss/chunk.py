@@ -54,7 +54,8 @@ class TeacherRows:
 BLOCK_BYTES = 2**20  # elementwise passes walk the chunk in row blocks this size, so they stay in L2
 
 
-def _row_blocks(z: Tensor):
+def row_blocks(z: Tensor) -> list[tuple[int, int]]:
+    """(start, end) row ranges of about BLOCK_BYTES each: elementwise passes per block stay in L2."""
     rows = max(1, BLOCK_BYTES // (z.shape[1] * z.element_size()))
     return [(r, min(r + rows, z.shape[0])) for r in range(0, z.shape[0], rows)]
 
@@ -64,7 +65,7 @@ def _softmax_stats(z: Tensor, ids: Tensor, temperature: float):
     m = torch.empty(z.shape[0], 1, dtype=z.dtype, device=z.device)
     tail_sum = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     z_ids = z.gather(1, ids)
-    for a, b in _row_blocks(z):  # each block's max, exp and sum passes hit cache, not DRAM
+    for a, b in row_blocks(z):  # each block's max, exp and sum passes hit cache, not DRAM
         block = z[a:b]
         torch.amax(block, dim=1, keepdim=True, out=m[a:b])
         block.sub_(m[a:b])
@@ -142,5 +143,5 @@ def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tens
         dense = dense + shared_ce / total
         at_ids = at_ids + shared_ce.unsqueeze(1) * q_ids
     dense = dense.unsqueeze(1)
-    for a, b in _row_blocks(z):
+    for a, b in row_blocks(z):
         z[a:b].mul_(dense[a:b]).scatter_(1, ids[a:b], at_ids[a:b])

@@ -1,0 +1,7 @@
+"""The teacher top-K cache: build once (`build`), read anywhere (`TopKCache`). Format: docs/cache-format.md."""
+from topkd.cache.build import CacheBuildConfig, build
+from topkd.cache.inspect import inspect_cache, verify_cache
+from topkd.cache.manifest import CacheError
+from topkd.cache.reader import TopKCache
+
+__all__ = ["CacheBuildConfig", "CacheError", "TopKCache", "build", "inspect_cache", "verify_cache"]
