@@ -8,6 +8,7 @@ docs/cache-format.md describes every tensor; tests/cache/test_golden.py pins the
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -77,8 +78,12 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
 
 
 def write_shard(path: str, arrays: dict, meta: dict) -> int:
-    """Write atomically (temp file, fsync, rename); returns the byte size."""
-    data = save(arrays, metadata=meta)
+    """Write atomically (temp file, fsync, rename); returns the byte size.
+
+    The string metadata goes in as a `meta_json` uint8 tensor of sorted-key JSON, because
+    safetensors serialises its own __metadata__ map in hash order: bytes would differ per run."""
+    meta_bytes = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
+    data = save({**arrays, "meta_json": meta_bytes})
     write_atomic(path, data)
     return len(data)
 
@@ -104,8 +109,8 @@ class ShardReader:
         self.path = path
         self._pid, self._file = None, None
         f = self._handle()
-        self.meta = f.metadata() or {}
-        self.names = set(f.keys())
+        self.meta = json.loads(f.get_tensor("meta_json").tobytes())
+        self.names = set(f.keys()) - {"meta_json"}
         self.seq_rows = f.get_tensor("seq_rows")
         self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
         self.unary_offsets = f.get_tensor("unary_offsets") if self.codec == "rice" else None

@@ -1,0 +1,51 @@
+"""Golden bytes: the on-disk format of docs/cache-format.md, pinned. A change here is a format change:
+bump FORMAT_VERSION, document it, and update the pins."""
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from topkd.cache.shard import FORMAT_VERSION, ShardReader, TeacherSequence, encode_shard, write_shard
+
+GOLDEN_SHA256 = {
+    "rice": "e5cb202a05b36da961ee4aa13f94ffd1aca8edc77a3bdfbcef2e12e600637458",
+    "packed": "e54b7b9216eb4f5ace8e7c407ece6054dac5108cc4653830adc3fb3266d98c6c",
+}
+
+
+def golden_sequences():
+    ids = np.array([[7, 2, 299], [0, 1, 150], [42, 41, 40]])
+    lp = np.array([[-0.5, -1.5, -2.0], [-0.1, -3.0, -9.0], [-1.5, -1.5, -1.75]], dtype=np.float32)
+    mass = np.log(np.exp(lp.astype(np.float64)).sum(1))
+    tail = np.log1p(-np.exp(mass))
+    seq = lambda a, b, src, starts: TeacherSequence(  # noqa: E731
+        input_ids=np.array([5, 6, 7])[a:b], ids=ids[a:b], logprobs=lp[a:b], log_mass=mass[a:b].astype(np.float32),
+        log_tail=tail[a:b].astype(np.float32), logz=np.full((b - a, 1), 0.25, np.float32),
+        doc_starts=np.array(starts), source_index=src, token_offset=a)
+    return [seq(0, 2, 0, [0, 1]), seq(2, 3, 1, [0])]
+
+
+@pytest.mark.parametrize("codec_name", ["rice", "packed"])
+def test_golden_shard_bytes(tmp_path, codec_name):
+    arrays, meta = encode_shard(golden_sequences(), vocab=300, codec_name=codec_name)
+    path = tmp_path / "s.safetensors"
+    write_shard(str(path), arrays, meta)
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + header_len])
+    a, b = header["meta_json"]["data_offsets"]
+    meta = json.loads(data[8 + header_len + a:8 + header_len + b])
+    assert meta["format_version"] == str(FORMAT_VERSION) == "1" and "__metadata__" not in header
+    assert meta["codec"] == codec_name and meta["k"] == "3" and meta["vocab"] == "300"
+    assert header["lp_codes"] == {"dtype": "U8", "shape": [3, 3], "data_offsets": header["lp_codes"]["data_offsets"]}
+    if codec_name == "packed":  # 9 bits per id, little-endian bit order: 7 | 2 << 9 | 299 << 18 ...
+        a, b = header["ids_packed"]["data_offsets"]
+        row0 = int.from_bytes(data[8 + header_len + a:8 + header_len + a + 4], "little")
+        assert (row0 & 0x1FF, (row0 >> 9) & 0x1FF, (row0 >> 18) & 0x1FF) == (7, 2, 299)
+    else:
+        assert meta["rice_b"] == "5"
+    assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256[codec_name]
+    seq = ShardReader(str(path)).sequence(0)
+    assert set(seq.ids[0]) == {7, 2, 299} and list(seq.doc_starts) == [0, 1]
