@@ -1,0 +1,59 @@
+"""Cache input: packing into sequences with document starts, JSONL and .npy inputs, refusals."""
+import json
+
+import numpy as np
+import pytest
+
+from topkd.cache.data import iter_documents, pack_sequences
+
+
+class CharTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 50 for c in text]}
+
+
+def test_packing_cuts_sequences_and_records_document_starts():
+    docs = [np.arange(5), np.arange(100, 103), np.arange(200, 211)]
+    seqs = list(pack_sequences(iter(docs), 4, separator=-1))
+    stream = np.concatenate([np.append(d, -1) for d in docs])
+    assert np.array_equal(np.concatenate([s.tokens for s in seqs]), stream)  # nothing dropped
+    assert [len(s.tokens) for s in seqs] == [4, 4, 4, 4, 4, 2]
+    assert [list(s.doc_starts) for s in seqs] == [[0], [0, 2], [0, 2], [0], [0], [0]]
+    assert [s.token_offset for s in seqs] == [0, 4, 8, 12, 16, 20] and [s.index for s in seqs] == list(range(6))
+
+
+def test_ready_made_sequences_from_a_2d_array(tmp_path):
+    np.save(tmp_path / "seqs.npy", np.arange(12).reshape(3, 4).astype(np.int32))
+    np.save(tmp_path / "stream.npy", np.arange(5).astype(np.int64))
+    docs = iter_documents([str(tmp_path / "stream.npy"), str(tmp_path / "seqs.npy")], CharTokenizer())
+    seqs = list(pack_sequences(docs, 4, separator=None))
+    assert [s.tokens.tolist() for s in seqs] == [[0, 1, 2, 3], [4], [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [s.token_offset for s in seqs] == [0, 4, 5, 9, 13]
+
+
+def test_jsonl_documents_and_their_errors(tmp_path):
+    good = tmp_path / "a.jsonl"
+    good.write_text(json.dumps({"body": "abc"}) + "\n\n" + json.dumps({"body": "de"}) + "\n")
+    assert [d.tolist() for d in iter_documents([str(good)], CharTokenizer(), "body")] == [[47, 48, 49], [0, 1]]
+    with pytest.raises(ValueError, match="string field 'text'"):
+        list(iter_documents([str(good)], CharTokenizer()))
+    bad = tmp_path / "b.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match="b.jsonl:1: expected one JSON object per line"):
+        list(iter_documents([str(bad)], CharTokenizer()))
+
+
+@pytest.mark.parametrize("name,content,match", [("x.csv", "a", "ending in"), ("f.npy", None, "integer array")])
+def test_unsupported_inputs_are_refused(tmp_path, name, content, match):
+    path = tmp_path / name
+    if content is None:
+        np.save(path, np.zeros((2, 2, 2)))
+    else:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        list(iter_documents([str(path)], CharTokenizer()))
+
+
+def test_seq_len_must_be_at_least_two():
+    with pytest.raises(ValueError, match="seq_len: expected >= 2"):
+        list(pack_sequences(iter([np.arange(3)]), 1, None))

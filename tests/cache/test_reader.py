@@ -1,0 +1,147 @@
+"""Reading a cache: decoded rows, DataLoader workers, and every refusal (corrupt, truncated, mixed, mismatched)."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from topkd.cache import CacheError, TopKCache
+from topkd.cli import main
+
+
+@pytest.fixture
+def cache_copy(built_cache, tmp_path):
+    return shutil.copytree(built_cache, tmp_path / "copy")
+
+
+def shard_file(root, j=1):
+    return os.path.join(root, "shards", f"shard-{j:05d}.safetensors")
+
+
+def test_rows_have_the_documented_shapes_and_dtypes(built_cache):
+    cache = TopKCache(built_cache)
+    row = cache[-1]
+    n, k = row["input_ids"].shape[0], cache.k
+    assert 0 < n <= 48 and k == 16 and len(cache) == cache.manifest["totals"]["sequences"]
+    assert row["teacher_ids"].shape == (n, k) and row["teacher_ids"].dtype == torch.int64
+    assert row["teacher_logprobs"].shape == (n, k) and row["teacher_logprobs"].dtype == torch.float32
+    assert row["logz"].shape == (n, 1) and row["log_tail"].shape == (n,) and row["doc_start"].dtype == torch.bool
+    assert bool(row["doc_start"][0]) and row["source_index"] == len(cache) - 1
+    assert sum(cache[i]["input_ids"].numel() for i in range(len(cache))) == cache.tokens
+    with pytest.raises(IndexError, match="out of range"):
+        cache[len(cache)]
+
+
+def test_rows_feed_the_loss_directly(built_cache):
+    import topkd
+
+    cache = TopKCache(built_cache)
+    row = cache[0]
+    n = row["input_ids"].shape[0]
+    hidden, weight = torch.randn(n, 8, requires_grad=True), torch.randn(cache.vocab_size, 8)
+    loss = topkd.fused_linear_kd(hidden, weight, row["teacher_ids"], row["teacher_logprobs"], temperature=2.0,
+                                 teacher_logz=row["logz"][:, 0])
+    loss.backward()
+    assert torch.isfinite(loss) and hidden.grad.abs().sum() > 0
+
+
+def test_dataloader_workers_read_the_same_rows(built_cache):
+    cache = TopKCache(built_cache)
+    cache[0]  # open handles in the parent first: workers must re-open their own
+    loader = torch.utils.data.DataLoader(cache, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    for i, row in enumerate(loader):
+        assert torch.equal(row["teacher_ids"], cache[i]["teacher_ids"])
+        assert torch.equal(row["teacher_logprobs"], cache[i]["teacher_logprobs"])
+
+
+def test_missing_manifest_is_refused_with_the_remedy(cache_copy):
+    os.remove(os.path.join(cache_copy, "manifest.json"))
+    with pytest.raises(CacheError, match="rerun `topkd cache build` with the same arguments"):
+        TopKCache(str(cache_copy))
+
+
+def test_not_a_directory_is_refused(tmp_path):
+    with pytest.raises(CacheError, match="not a directory"):
+        TopKCache(str(tmp_path / "nothing"))
+
+
+def test_truncated_shard_is_refused_on_open(cache_copy):
+    path = shard_file(cache_copy)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    with pytest.raises(CacheError, match="truncated"):
+        TopKCache(str(cache_copy))
+
+
+def test_corrupted_byte_is_found_by_verify(cache_copy, capsys):
+    path = shard_file(cache_copy)
+    data = bytearray(open(path, "rb").read())
+    header_len = int.from_bytes(data[:8], "little")
+    start = json.loads(data[8:8 + header_len])["lp_codes"]["data_offsets"][0]
+    data[8 + header_len + start] ^= 0x01  # one log-prob code: the file still parses
+    open(path, "wb").write(bytes(data))
+    cache = TopKCache(str(cache_copy))  # opening checks sizes and headers only
+    problems = cache.verify()
+    assert len(problems) == 1 and "sha256 mismatch" in problems[0]
+    cache[0]  # shard 0 is intact
+    with pytest.raises(CacheError, match="sha256 mismatch"):
+        cache[cache.manifest["shards"][1]["sequences"][0]]  # the first read of shard 1 checks it
+    assert TopKCache(str(cache_copy), verify_reads=False)[4]["teacher_ids"].shape[1] == 16
+    assert main(["cache", "verify", str(cache_copy)]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_corrupted_header_is_refused_on_open(cache_copy):
+    path = shard_file(cache_copy)
+    data = bytearray(open(path, "rb").read())
+    data[9:13] = b"@@@@"  # inside the JSON header, size unchanged
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CacheError, match="unreadable header"):
+        TopKCache(str(cache_copy))
+
+
+def test_mixed_fingerprints_are_refused(cache_copy):
+    path = os.path.join(cache_copy, "manifest.json")
+    manifest = json.load(open(path))
+    manifest["shards"][1]["build_hash"] = "0" * 64
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(CacheError, match="different builds"):
+        TopKCache(str(cache_copy))
+
+
+def test_manifest_of_another_format_is_refused(cache_copy):
+    path = os.path.join(cache_copy, "manifest.json")
+    manifest = json.load(open(path))
+    manifest["format_version"] = 99
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(CacheError, match="v99"):
+        TopKCache(str(cache_copy))
+
+
+def test_student_vocabulary_and_tokenizer_are_checked(built_cache, teacher_dir):
+    from transformers import AutoTokenizer
+
+    cache = TopKCache(built_cache)
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    cache.check_student(vocab_size=1000, tokenizer=tok)
+    cache.check_student(vocab_size=1024)  # padded lm_head rows beyond the teacher's vocabulary are allowed
+    with pytest.raises(ValueError, match="expected >= the cache's 1000"):
+        cache.check_student(vocab_size=999)
+    tok.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="would not line up"):
+        cache.check_student(vocab_size=1001, tokenizer=tok)
+
+
+def test_verify_and_inspect_commands(built_cache, tmp_path, capsys):
+    assert main(["cache", "verify", built_cache]) == 0
+    assert main(["cache", "inspect", built_cache, "--plot", str(tmp_path / "m.png")]) == 0
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["tokens"] == TopKCache(built_cache).tokens and 0 < last["mass_mean"] <= 1
+    assert "bytes/token" in out and "[0.990, 0.999)" in out and (tmp_path / "m.png").stat().st_size > 5000
+
+
+def test_cli_prints_a_refusal_without_a_traceback(tmp_path, capsys):
+    assert main(["cache", "inspect", str(tmp_path)]) == 2
+    assert "manifest.json is missing" in capsys.readouterr().err
