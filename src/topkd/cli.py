@@ -32,7 +32,7 @@ BENCH_HELP = {
     "mem_limit_gib": "CPU address-space cap per point, so OOM is a clean result (0: none)",
     "timeout_s": "seconds before a point is recorded as a timeout",
     "out": "output directory for loss.csv, loss.json, loss.png",
-    "no_huge_pages": "do not set THP_MEM_ALLOC_ENABLE=1 (torch's huge-page CPU allocator) for the points",
+    "no_huge_pages": "time without THP_MEM_ALLOC_ENABLE=1 (torch huge-page CPU allocator; memory never uses it)",
     "report_only": "re-print the table and targets of the run stored in --out, measuring nothing",
 }
 MANY_VALUES = {"data"}  # list flags that take space-separated values (shell globs); others are comma-separated

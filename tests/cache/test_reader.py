@@ -78,8 +78,8 @@ def test_corrupted_byte_is_found_by_verify(cache_copy, capsys):
     path = shard_file(cache_copy)
     data = bytearray(open(path, "rb").read())
     header_len = int.from_bytes(data[:8], "little")
-    start = json.loads(data[8:8 + header_len])["lp_codes"]["data_offsets"][0]
-    data[8 + header_len + start] ^= 0x01  # one log-prob code: the file still parses
+    start = json.loads(data[8:8 + header_len])["log_mass"]["data_offsets"][0]
+    data[8 + header_len + start] ^= 0x01  # one bit of a stored mass: the file still parses
     open(path, "wb").write(bytes(data))
     cache = TopKCache(str(cache_copy))  # opening checks sizes and headers only
     problems = cache.verify()
@@ -145,3 +145,17 @@ def test_verify_and_inspect_commands(built_cache, tmp_path, capsys):
 def test_cli_prints_a_refusal_without_a_traceback(tmp_path, capsys):
     assert main(["cache", "inspect", str(tmp_path)]) == 2
     assert "manifest.json is missing" in capsys.readouterr().err
+
+
+def test_corrupted_zstd_frame_fails_loudly_even_unverified(cache_copy):
+    path = shard_file(cache_copy)
+    data = bytearray(open(path, "rb").read())
+    header_len = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:8 + header_len])["zstd_frames"]["data_offsets"]
+    data[8 + header_len + (start + end) // 2] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    cache = TopKCache(str(cache_copy), verify_reads=False)
+    first = cache.manifest["shards"][1]["sequences"][0]
+    with pytest.raises(ValueError, match="corrupt"):
+        for i in range(first, first + 4):  # frames carry a checksum: a flipped bit never decodes silently
+            cache[i]

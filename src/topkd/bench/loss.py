@@ -43,13 +43,27 @@ class LossBenchConfig:
 
 
 def run_point(cfg: LossBenchConfig, impl: str, tokens: int) -> dict:
+    """One point. With huge pages (default on CPU) memory and time come from two fresh processes:
+    memory with the default 4 KiB pages (exact bytes), time with THP_MEM_ALLOC_ENABLE=1, so a
+    fresh [C, V] chunk buffer page-faults 512x less (most of a call's fixed cost at 1K-4K tokens),
+    at the price of rounding each large tensor's resident size up to 2 MiB."""
+    if cfg.no_huge_pages or cfg.device != "cpu":
+        return _run_phase(cfg, impl, tokens, "both", huge_pages=False)
+    row = _run_phase(cfg, impl, tokens, "memory", huge_pages=False)
+    if row["status"] != "ok":
+        return row
+    timed = _run_phase(cfg, impl, tokens, "time", huge_pages=True)
+    if timed["status"] != "ok":
+        return timed
+    return {**timed, "peak_bytes": row["peak_bytes"]}
+
+
+def _run_phase(cfg: LossBenchConfig, impl: str, tokens: int, phase: str, huge_pages: bool) -> dict:
     cmd = [sys.executable, "-m", "topkd.bench.point", "--impl", impl, "--tokens", str(tokens), "--vocab",
            str(cfg.vocab), "--hidden", str(cfg.hidden), "--k", str(cfg.k), "--dtype", cfg.dtype, "--device",
-           cfg.device, "--repeats", str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib)]
-    env = dict(os.environ)
-    if not cfg.no_huge_pages:
-        # torch's CPU allocator then asks for transparent huge pages: a fresh [C, V] chunk buffer
-        # page-faults 512x less, which is most of the fixed cost of a call at 1K-4K tokens on CPU
+           cfg.device, "--repeats", str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib), "--phase", phase]
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if huge_pages:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s, env=env)
@@ -198,7 +212,7 @@ def report(cfg: LossBenchConfig) -> dict:
 def run_loss_bench(cfg: LossBenchConfig) -> dict:
     if cfg.report_only:
         return report(cfg)
-    meta = {**stamp(cfg.device), "huge_pages": not cfg.no_huge_pages}
+    meta = {**stamp(cfg.device), "huge_pages": "time only" if not cfg.no_huge_pages and cfg.device == "cpu" else "off"}
     points = [(impl, n) for n in cfg.lengths for impl in cfg.impls]
     rows = []
     for impl, n in tqdm(points, desc="bench loss", unit="point"):

@@ -134,7 +134,7 @@ def timed(fn, device) -> float:
 
 
 def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str, device_name: str,
-            repeats: int) -> dict:
+            repeats: int, phase: str = "both") -> dict:
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     # A tiny run of the same code first: thread pools, lazy inits and library code pages
     # touched on first use must not count as the loss's memory.
@@ -148,9 +148,12 @@ def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str,
     row = {"impl": impl, "tokens": n, "vocab": vocab, "hidden": hidden, "k": k, "dtype": dtype_name,
            "floor_bytes": floor_bytes(inputs), "flops": 6 * n * vocab * hidden}
     memory.reset()
-    step()
-    row["peak_bytes"] = memory.peak()
+    step()  # measured (phase memory/both) or only a warm-up (phase time)
+    if phase != "time":
+        row["peak_bytes"] = memory.peak()
     inputs["x"].grad = inputs["w"].grad = None
+    if phase == "memory":
+        return row
     chunk = chunk_rows(vocab, dtype, LossSpec(), False)
     floor = three_gemm_step(inputs["x"], inputs["w"], chunk)
     pairs = [(timed(floor, device), timed(lambda: _fresh_grads(step, inputs), device)) for _ in range(repeats)]
@@ -176,12 +179,13 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--mem-limit-gib", type=float, default=0.0, help="CPU address-space cap (0: none)")
+    p.add_argument("--phase", default="both", choices=["both", "memory", "time"], help="what to measure")
     a = p.parse_args(argv)
     if a.mem_limit_gib > 0 and a.device == "cpu":
         cap = int(a.mem_limit_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     try:
-        row = measure(a.impl, a.tokens, a.vocab, a.hidden, a.k, a.dtype, a.device, a.repeats)
+        row = measure(a.impl, a.tokens, a.vocab, a.hidden, a.k, a.dtype, a.device, a.repeats, a.phase)
         row["status"] = "ok"
     except ImportError as e:  # a peer that is not installed
         row = {"impl": a.impl, "tokens": a.tokens, "status": "unavailable", "error": str(e)[:200]}

@@ -33,7 +33,7 @@ class CacheBuildConfig:
     seq_len: int = 2048
     k: int = 100
     temperatures: list[float] = field(default_factory=list)
-    codec: str = "rice"
+    codec: str = "rice-zstd"
     seqs_per_shard: int = 64
     batch_size: int = 4
     max_sequences: int = 0
@@ -49,7 +49,8 @@ BUILD_HELP = {
     "seq_len": "tokens per sequence (documents are packed, EOS-separated; the last sequence may be shorter)",
     "k": "top-K log-probs kept per token",
     "temperatures": "comma-separated T values whose normaliser c_T is stored per token (tempered bucket KD)",
-    "codec": "id codec: rice (sorted ids, Rice-coded gaps; smallest) | packed (ceil(log2 V) bits per id)",
+    "codec": "rice-zstd (Rice-coded sorted-id gaps + uint8 log-probs, zstd per sequence; smallest) | rice | "
+             "packed (ceil(log2 V) bits per id, fixed bytes per token)",
     "seqs_per_shard": "sequences per shard file (the unit of work a crash can lose)",
     "batch_size": "sequences per teacher forward",
     "max_sequences": "stop after this many sequences (0: all of the data)",

@@ -21,9 +21,10 @@ from topkd.cache import manifest as mf
 from topkd.cache.shard import ShardReader
 from topkd.cache.teacher import tokenizer_hash
 
-SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "lp_codes", "seq_rows", "seq_source",
-                 "seq_token_offset", "doc_starts"}
-CODEC_TENSORS = {"rice": {"id_rem", "id_unary", "unary_offsets"}, "packed": {"ids_packed"}}
+SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "seq_rows", "seq_source", "seq_token_offset",
+                 "doc_starts"}
+CODEC_TENSORS = {"rice": {"lp_codes", "id_rem", "id_unary", "unary_offsets"}, "packed": {"lp_codes", "ids_packed"},
+                 "rice-zstd": {"zstd_frames", "frame_offsets"}}
 
 
 class TopKCache:
