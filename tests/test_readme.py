@@ -1,11 +1,20 @@
-"""The README's loss example is executed as written."""
+"""The README's Python examples are executed as written (the cache one against the test cache)."""
 import pathlib
 import re
 
+import torch
 
-def test_readme_example_runs():
+
+def test_readme_examples_run(built_cache, teacher_dir):
+    from transformers import AutoTokenizer
+
     text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert blocks, "README has no python example"
-    for code in blocks:
-        exec(compile(code, "README.md", "exec"), {})
+    assert len(blocks) == 2, "README should have the loss and the cache example"
+    names = {"cache_path": built_cache, "student_vocab_size": 1000,
+             "student_tokenizer": AutoTokenizer.from_pretrained(teacher_dir), "torch": torch}
+    spaces = [dict(names) for _ in blocks]
+    for code, namespace in zip(blocks, spaces):
+        exec(compile(code, "README.md", "exec"), namespace)
+    assert all(torch.isfinite(ns["loss"]) for ns in spaces)
+    assert any("row" in ns and ns["row"]["teacher_ids"].shape[1] == 16 for ns in spaces)

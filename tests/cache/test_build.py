@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cache.conftest import cache_config
+from tests.conftest import cache_config
 from tests.cache.tiny import make_text
 from topkd.cache import CacheError, TopKCache, build
 

@@ -159,3 +159,12 @@ def test_corrupted_zstd_frame_fails_loudly_even_unverified(cache_copy):
     with pytest.raises(ValueError, match="corrupt"):
         for i in range(first, first + 4):  # frames carry a checksum: a flipped bit never decodes silently
             cache[i]
+
+
+def test_shard_rows_that_disagree_with_the_manifest_are_refused(cache_copy):
+    path = os.path.join(cache_copy, "manifest.json")
+    manifest = json.load(open(path))
+    manifest["shards"][0]["tokens"] += 1
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(CacheError, match="do not match the sidecar's"):
+        TopKCache(str(cache_copy))

@@ -86,14 +86,14 @@ def _time_build(teacher, seqs, cfg) -> tuple[dict, list[dict]]:
     with torch.inference_mode():
         teacher.model(warm)  # first-call costs count for neither side
         teacher.topk_rows(warm, cfg.k, temps)
-    head = teacher.model.get_output_embeddings()
+    weight, bias = teacher.head_fp32()
     for batch in tqdm(batches, desc="bench cache", unit="batch"):
         ids = torch.from_numpy(np.stack([s.tokens for s in batch]))
         with torch.inference_mode():
             t["forward_s"] += _timed(lambda: teacher.model(ids, use_cache=False).logits)[1]
-            h, t_body = _timed(lambda: teacher.hidden_states(ids).reshape(-1, head.weight.shape[1]))
-            flat, t_head = _timed(lambda: head_topk(h, head, cfg.k, temps))
-            t["head_gemm_s"] += _timed(lambda: _gemm_only(h, head))[1]
+            h, t_body = _timed(lambda: teacher.hidden_states(ids).reshape(-1, weight.shape[1]))
+            flat, t_head = _timed(lambda: head_topk(h, weight, bias, cfg.k, temps))
+            t["head_gemm_s"] += _timed(lambda: _gemm_only(h, weight))[1]
         per_seq = [{n: v[i * ids.shape[1]:(i + 1) * ids.shape[1]] for n, v in flat.items()} for i in range(len(batch))]
         t["encode_write_s"] += _timed(lambda: _encode_write(batch, per_seq, teacher.vocab, cfg.out))[1]
         t["body_s"], t["head_s"] = t["body_s"] + t_body, t["head_s"] + t_head
@@ -112,9 +112,8 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def _gemm_only(h, head) -> None:
+def _gemm_only(h, w) -> None:
     """The lm_head GEMM alone, in the same fp32 chunks and reused buffer as head_topk."""
-    w = head.weight.float()
     rows = max(1, min(h.shape[0], HEAD_CHUNK_BYTES // (4 * w.shape[0])))
     buf = torch.empty(rows, w.shape[0])
     for a in range(0, h.shape[0], rows):

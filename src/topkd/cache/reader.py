@@ -23,6 +23,7 @@ from topkd.cache.teacher import tokenizer_hash
 
 SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "seq_rows", "seq_source", "seq_token_offset",
                  "doc_starts"}
+ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "lp_codes", "id_rem", "ids_packed"}  # one row per token
 CODEC_TENSORS = {"rice": {"lp_codes", "id_rem", "id_unary", "unary_offsets"}, "packed": {"lp_codes", "ids_packed"},
                  "rice-zstd": {"zstd_frames", "frame_offsets"}}
 
@@ -74,6 +75,10 @@ class TopKCache:
             raise mf.CacheError(f"cache {self.path}: {side['file']} does not match the manifest (tensors "
                                 f"{sorted(shard.names)}, {len(shard)} sequences, K={shard.k}; expected "
                                 f"{sorted(expected)}, {n_seq} sequences, K={self.k}); rebuild it")
+        rows = {name: shard.shape(name)[0] for name in ROW_TENSORS & shard.names}
+        if int(shard.seq_rows[-1]) != side["tokens"] or any(r != side["tokens"] for r in rows.values()):
+            raise mf.CacheError(f"cache {self.path}: {side['file']} rows {rows} (seq_rows end {int(shard.seq_rows[-1])})"
+                                f" do not match the sidecar's {side['tokens']} tokens; rebuild it")
 
     def locate(self, i: int) -> tuple[int, int]:
         if not -self._len <= i < self._len:

@@ -144,6 +144,9 @@ class ShardReader:
     def rows(self, name: str, start: int, end: int) -> np.ndarray:
         return self._handle().get_slice(name)[start:end]
 
+    def shape(self, name: str) -> list[int]:
+        return self._handle().get_slice(name).get_shape()
+
     def tensor(self, name: str) -> np.ndarray:
         return self._handle().get_tensor(name)
 

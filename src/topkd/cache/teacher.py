@@ -39,11 +39,20 @@ class Teacher:
         """Final (normed) hidden states [B, L, H] from the model body: no logits."""
         return self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
 
+    def head_fp32(self) -> tuple[Tensor, Tensor | None]:
+        """The lm_head weight (and bias) in fp32, converted once (a bf16 teacher keeps its body in bf16)."""
+        if not hasattr(self, "_head"):
+            head = self.model.get_output_embeddings()
+            bias = getattr(head, "bias", None)
+            self._head = (head.weight.detach().float(), None if bias is None else bias.detach().float())
+        return self._head
+
     @torch.inference_mode()
     def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = ()) -> dict[str, np.ndarray]:
         """[B, L] token ids -> per token (flattened B*L): ids, logprobs, log_mass, log_tail, logz."""
         h = self.hidden_states(input_ids)
-        return head_topk(h.reshape(-1, h.shape[-1]), self.model.get_output_embeddings(), k, temperatures,
+        weight, bias = self.head_fp32()
+        return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures,
                          getattr(self.model.config, "final_logit_softcapping", None))
 
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
@@ -59,11 +68,11 @@ class Teacher:
                 "alignment": ALIGNMENT}
 
 
-def head_topk(hidden: Tensor, head: torch.nn.Linear, k: int, temperatures=(), softcap: float | None = None,
-              chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict[str, np.ndarray]:
-    """Top-K log-probs of softmax(head(hidden)) over the full vocabulary, chunked over tokens, fp32."""
-    weight = head.weight.float()
-    bias = None if getattr(head, "bias", None) is None else head.bias.float()
+def head_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperatures=(),
+              softcap: float | None = None, chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict[str, np.ndarray]:
+    """Top-K log-probs of softmax(hidden @ weight.T + bias) over the full vocabulary, token chunks, fp32.
+
+    weight [V, H] and bias [V] are fp32 (Teacher.head_fp32); hidden may be any float dtype."""
     vocab = weight.shape[0]
     if not 1 <= k <= vocab:
         raise ValueError(f"k: expected 1 <= k <= vocab size {vocab}, got {k}")

@@ -87,11 +87,17 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
     return kd_tok, ce_tok, grads
 
 
+PROJECT_VOCAB_BLOCK = 8192  # logits GEMM in vocab blocks: same speed, and the CPU BLAS workspace stays small
+
+
 def _project(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
-    if x.dtype == out.dtype:
-        torch.mm(x, weight.t(), out=out)
-    else:  # low-precision GEMM, then fp32 for the softmax math
+    if x.dtype != out.dtype:  # low-precision GEMM, then fp32 for the softmax math
         out.copy_(x @ weight.t())
+    elif x.device.type != "cpu":
+        torch.mm(x, weight.t(), out=out)
+    else:  # one GEMM over all of V makes MKL allocate ~20 MB of packing space; blocks of 8K columns need ~9 MB
+        for a in range(0, weight.shape[0], PROJECT_VOCAB_BLOCK):
+            torch.mm(x, weight[a:a + PROJECT_VOCAB_BLOCK].t(), out=out[:, a:a + PROJECT_VOCAB_BLOCK])
     if bias is not None:
         out.add_(bias)
     return out

@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny random teacher, a text file, and a small cache built from them."""
+"""Shared fixtures: one tiny random teacher, a text file, and a small cache built from them (session-wide)."""
 import pytest
 
 from tests.cache.tiny import make_teacher, make_text
