@@ -87,3 +87,29 @@ def test_quantisation_k1_and_far_tail():
 def test_bad_codes_are_refused():
     with pytest.raises(ValueError, match="corrupt"):
         codec.dequantise_logprobs(np.array([[255]], dtype=np.uint8), np.zeros(1, np.float32))
+
+
+@pytest.mark.parametrize("codec_name", ["rice-zstd", "rice", "packed"])
+@pytest.mark.parametrize("vocab", [201088, 262144, 2**20])
+def test_shard_round_trip_at_large_vocabularies(tmp_path, codec_name, vocab):
+    from topkd.cache.shard import ShardReader, TeacherSequence, encode_shard, write_shard
+
+    k, lengths = 100, (5, 3)
+    seqs = []
+    for s, n in enumerate(lengths):
+        ids = random_topk(n, k, vocab, seed=s)
+        ids[0, :3] = [vocab - 1, 0, vocab // 2]  # extremes of the id range
+        lp = teacher_like_logprobs(n, 3000, k, 3.0, seed=s)
+        mass = np.log(np.exp(lp).sum(1))
+        seqs.append(TeacherSequence(np.arange(n), ids, lp.astype(np.float32), mass.astype(np.float32),
+                                    np.log1p(-np.exp(mass)).astype(np.float32), np.zeros((n, 0), np.float32),
+                                    np.array([0]), s, 5 * s))
+    arrays, meta = encode_shard(seqs, vocab=vocab, codec_name=codec_name)
+    write_shard(str(tmp_path / "s.safetensors"), arrays, meta)
+    reader = ShardReader(str(tmp_path / "s.safetensors"))
+    for s, seq in enumerate(seqs):
+        got = reader.sequence(s)
+        assert np.array_equal(np.sort(got.ids, 1), np.sort(seq.ids, 1))
+        by_id = lambda ids, lp: np.take_along_axis(lp, np.argsort(ids, 1), 1)  # noqa: E731
+        assert np.abs(by_id(got.ids, got.logprobs) - by_id(seq.ids, seq.logprobs)).max() < 0.5
+        assert np.all(np.diff(got.logprobs, axis=1) <= 0) and got.token_offset == 5 * s
