@@ -60,6 +60,25 @@ def test_documents_are_packed_with_recorded_boundaries(teacher_dir, tmp_path):
     assert [cache[i]["token_offset"] for i in range(len(cache))] == list(seq_starts)
 
 
+def test_teacher_attends_within_documents_only(teacher_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    texts = [make_text(12, seed=1), make_text(12, seed=2)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    build(cache_config(teacher_dir, str(tmp_path / "d.jsonl"), tmp_path / "c", seq_len=200))
+    row = TopKCache(str(tmp_path / "c"))[0]
+    start = int(np.flatnonzero(row["doc_start"].numpy())[1])
+    with torch.no_grad():
+        alone = torch.log_softmax(model(row["input_ids"][None, start:]).logits[0].double(), -1)
+        joint = torch.log_softmax(model(row["input_ids"][None]).logits[0, start:].double(), -1)
+    got = row["teacher_logprobs"][start:].double()
+    at_ids = lambda logp: logp.gather(1, row["teacher_ids"][start:])  # noqa: E731
+    assert (got - at_ids(alone)).abs()[:, 0].max() < 0.01  # the second document's rows ignore the first
+    assert (got - at_ids(joint)).abs()[:, 0].max() > 0.05  # and attending across would have differed
+
+
 def _cli(out, teacher_dir, text, *extra):
     return [sys.executable, "-m", "topkd.cli", "cache", "build", "--teacher", teacher_dir, "--data", text,
             "--out", str(out), "--seq-len", "32", "--k", "8", "--seqs-per-shard", "1", *extra]

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from topkd.cache.data import iter_documents, pack_sequences
+from topkd.cache.data import iter_documents, pack_sequences, position_ids
 
 
 class CharTokenizer:
@@ -57,3 +57,8 @@ def test_unsupported_inputs_are_refused(tmp_path, name, content, match):
 def test_seq_len_must_be_at_least_two():
     with pytest.raises(ValueError, match="seq_len: expected >= 2"):
         list(pack_sequences(iter([np.arange(3)]), 1, None))
+
+
+def test_position_ids_restart_at_document_starts():
+    assert position_ids(7, [0, 3, 5]).tolist() == [0, 1, 2, 0, 1, 0, 1]
+    assert position_ids(4, []).tolist() == [0, 1, 2, 3]  # row 0 always starts

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from topkd.bench.stamp import stamp
 from topkd.cache import codec
 from topkd.cache.build import _teacher_sequence
-from topkd.cache.data import iter_documents, pack_sequences
+from topkd.cache.data import iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher
 
@@ -89,9 +89,10 @@ def _time_build(teacher, seqs, cfg) -> tuple[dict, list[dict]]:
     weight, bias = teacher.head_fp32()
     for batch in tqdm(batches, desc="bench cache", unit="batch"):
         ids = torch.from_numpy(np.stack([s.tokens for s in batch]))
+        pos = torch.from_numpy(np.stack([position_ids(ids.shape[1], s.doc_starts) for s in batch]))
         with torch.inference_mode():
-            t["forward_s"] += _timed(lambda: teacher.model(ids, use_cache=False).logits)[1]
-            h, t_body = _timed(lambda: teacher.hidden_states(ids).reshape(-1, weight.shape[1]))
+            t["forward_s"] += _timed(lambda: teacher.model(ids, position_ids=pos, use_cache=False).logits)[1]
+            h, t_body = _timed(lambda: teacher.hidden_states(ids, pos).reshape(-1, weight.shape[1]))
             flat, t_head = _timed(lambda: head_topk(h, weight, bias, cfg.k, temps))
             t["head_gemm_s"] += _timed(lambda: _gemm_only(h, weight))[1]
         per_seq = [{n: v[i * ids.shape[1]:(i + 1) * ids.shape[1]] for n, v in flat.items()} for i in range(len(batch))]

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from topkd.cache import manifest as mf
-from topkd.cache.data import check_paths, iter_documents, pack_sequences
+from topkd.cache.data import check_paths, iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 
@@ -138,7 +138,8 @@ def _teacher_rows(teacher: Teacher, group, cfg: CacheBuildConfig) -> list[dict]:
         for b in range(0, len(idx), cfg.batch_size):
             batch = idx[b:b + cfg.batch_size]
             ids = torch.from_numpy(np.stack([group[i].tokens for i in batch])).to(teacher.model.device)
-            rows = teacher.topk_rows(ids, cfg.k, tuple(cfg.temperatures))
+            pos = torch.from_numpy(np.stack([position_ids(length, group[i].doc_starts) for i in batch]))
+            rows = teacher.topk_rows(ids, cfg.k, tuple(cfg.temperatures), pos.to(ids.device))
             for n, i in enumerate(batch):
                 out[i] = {name: v[n * length:(n + 1) * length] for name, v in rows.items()}
     return out

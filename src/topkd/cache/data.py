@@ -123,3 +123,12 @@ def _starts_in(starts: list[int], a: int, e: int) -> np.ndarray:
     """Document starts inside [a, e); position 0 always counts as a start (a document continues there)."""
     inside = sorted({0, *(s - a for s in starts if a <= s < e)})
     return np.array(inside, dtype=np.int64)
+
+
+def position_ids(length: int, doc_starts) -> np.ndarray:
+    """Positions restarting at 0 at every document start (and at row 0): per-document causal attention."""
+    starts = np.zeros(length, dtype=bool)
+    starts[np.asarray(doc_starts, dtype=np.int64)] = True
+    starts[0] = True
+    idx = np.arange(length)
+    return idx - np.maximum.accumulate(np.where(starts, idx, 0))

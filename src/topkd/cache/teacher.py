@@ -21,6 +21,7 @@ from topkd.loss.chunk import row_blocks
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
 ALIGNMENT = "row t holds p(x_{t+1} | x_<=t)"
+ATTENTION = "per document: positions restart at each document start, no attention across documents"
 
 
 @dataclass
@@ -35,9 +36,12 @@ class Teacher:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: Tensor) -> Tensor:
-        """Final (normed) hidden states [B, L, H] from the model body: no logits."""
-        return self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Final (normed) hidden states [B, L, H] from the model body: no logits.
+
+        position_ids that restart at document starts make transformers mask attention per document."""
+        return self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                        use_cache=False).last_hidden_state
 
     def head_fp32(self) -> tuple[Tensor, Tensor | None]:
         """The lm_head weight (and bias) in fp32, converted once (a bf16 teacher keeps its body in bf16)."""
@@ -48,9 +52,10 @@ class Teacher:
         return self._head
 
     @torch.inference_mode()
-    def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = ()) -> dict[str, np.ndarray]:
+    def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = (),
+                  position_ids: Tensor | None = None) -> dict[str, np.ndarray]:
         """[B, L] token ids -> per token (flattened B*L): ids, logprobs, log_mass, log_tail, logz."""
-        h = self.hidden_states(input_ids)
+        h = self.hidden_states(input_ids, position_ids)
         weight, bias = self.head_fp32()
         return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures,
                          getattr(self.model.config, "final_logit_softcapping", None))
@@ -65,7 +70,7 @@ class Teacher:
                 "tokenizer_sha256": tokenizer_hash(self.tokenizer), "dtype": str(self.dtype).removeprefix("torch."),
                 "vocab_size": self.vocab, "k": k, "temperatures": list(temperatures),
                 "engine": f"transformers {transformers.__version__}", "topkd_version": topkd.__version__,
-                "alignment": ALIGNMENT}
+                "alignment": ALIGNMENT, "attention": ATTENTION}
 
 
 def head_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperatures=(),
