@@ -3,6 +3,7 @@
     topkd cache build --teacher MODEL --data corpus.txt --out runs/cache --seq-len 2048 --k 100
     topkd cache verify runs/cache          # every checksum
     topkd cache inspect runs/cache         # fingerprint, totals, bytes/token, top-K mass histogram
+    topkd train --cache runs/cache --init-from-teacher --layers 6 --out runs/student --steps 500
     topkd bench loss [--lengths 1024,4096] [--vocab 32768] [--hidden 512] [--out DIR]
     topkd bench cache --teacher MODEL --data corpus.txt   # bytes/token, decode KL, build overhead
 
@@ -19,6 +20,7 @@ from topkd.bench.loss import LossBenchConfig, run_loss_bench
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
 from topkd.cache.inspect import inspect_cache, verify_cache
 from topkd.cache.manifest import CacheError
+from topkd.train.config import TRAIN_HELP, TrainConfig
 
 BENCH_HELP = {
     "lengths": "comma-separated token counts (sequence lengths) to sweep",
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = cache_sub.add_parser("inspect", help="fingerprint, totals, bytes/token, top-K mass histogram")
     inspect.add_argument("path")
     inspect.add_argument("--plot", default="", help="also write the histogram as a PNG here")
+    add_dataclass_flags(sub.add_parser("train", help="train a student against a top-K cache"), TrainConfig, TRAIN_HELP)
     bench = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     loss = bench_sub.add_parser("loss", help="projection-only KD loss: memory and time vs sequence length")
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             run_loss_bench(_config(LossBenchConfig, args))
         elif args.command == "bench" and args.bench == "cache":
             run_cache_bench(_config(CacheBenchConfig, args))
+        elif args.command == "train":
+            from topkd.train import train
+
+            train(_config(TrainConfig, args))
         elif args.command == "cache" and args.cache == "build":
             build(_config(CacheBuildConfig, args))
         elif args.command == "cache" and args.cache == "verify":

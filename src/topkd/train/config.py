@@ -1,0 +1,79 @@
+"""TrainConfig: every `topkd train` flag, one field each, with its help text."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    cache: str = ""
+    out: str = ""
+    student: str = ""
+    init_from_teacher: bool = False
+    layers: int = 0
+    seq_len: int = 0
+    batch_size: int = 4
+    grad_accum: int = 1
+    steps: int = 100
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    divergence: str = "kl"
+    tail: str = "bucket"
+    temperature: float = 1.0
+    beta: float = 0.5
+    ce_weight: float = 0.0
+    impl: str = "fused"
+    autocast_bf16: bool = False
+    activation_checkpointing: bool = False
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+TRAIN_HELP = {
+    "cache": "top-K cache directory (from `topkd cache build`)",
+    "out": "run directory: checkpoints/, metrics.jsonl, loss.png, final/ (a rerun resumes from the last checkpoint)",
+    "student": "student: a local Hugging Face model directory (or use --init-from-teacher)",
+    "init_from_teacher": "derive the student from the cache's teacher: keep --layers evenly spaced layers",
+    "layers": "layers kept with --init-from-teacher (first and last always kept)",
+    "seq_len": "tokens per training sample (0: the cache's; other values re-slice the cached sequences)",
+    "batch_size": "samples per micro-batch",
+    "grad_accum": "micro-batches per optimizer step; the loss is normalised by the step's counted tokens",
+    "steps": "optimizer steps",
+    "lr": "peak learning rate (AdamW)",
+    "warmup_steps": "linear warmup steps, then cosine decay to lr * min_lr_ratio",
+    "min_lr_ratio": "final learning rate as a fraction of --lr",
+    "weight_decay": "AdamW weight decay (not applied to norms and biases)",
+    "clip": "gradient-norm clipping threshold (0: off)",
+    "divergence": "kl | reverse_kl | jsd | tvd",
+    "tail": "bucket | renorm",
+    "temperature": "distillation temperature (tempered bucket KD needs c_T stored in the cache)",
+    "beta": "JSD mixing weight",
+    "ce_weight": "weight of hard-label cross entropy on the next tokens",
+    "impl": "loss implementation: fused | chunked | dense (for comparisons)",
+    "autocast_bf16": "run the student body under bf16 autocast",
+    "activation_checkpointing": "recompute each block's activations in backward (less memory)",
+    "checkpoint_every": "steps between checkpoints (0: only at the end)",
+    "seed": "seed for the data order and initialisation",
+}
+
+
+def check_config(cfg: TrainConfig) -> None:
+    if not cfg.cache or not cfg.out:
+        raise ValueError(f"expected --cache and --out, got cache={cfg.cache!r} out={cfg.out!r}")
+    if bool(cfg.student) == cfg.init_from_teacher:
+        raise ValueError("expected exactly one of --student DIR or --init-from-teacher, got "
+                         f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}")
+    if cfg.init_from_teacher and cfg.layers < 1:
+        raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
+    for name in ("batch_size", "grad_accum", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {getattr(cfg, name)}")
+    for name in ("seq_len", "warmup_steps", "checkpoint_every"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}: expected an integer >= 0, got {getattr(cfg, name)}")
+    if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
+        raise ValueError(f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
+                         f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}")

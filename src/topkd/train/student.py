@@ -1,0 +1,83 @@
+"""The student: an HF causal LM, optionally cut from the teacher, wrapped so the KD loss runs in forward.
+
+    student = load_student(cfg, cache)         # checks vocabulary and tokenizer against the cache
+    loss_sum = KDStudent(student.model, spec)(batch)   # hidden states only; [N, V] logits never exist
+
+The loss is computed inside the module's forward, where a sharding wrapper (FSDP2) would have
+gathered the lm_head weight. Student lm_head rows beyond the teacher's vocabulary (padding) are
+left out of the projection, so they get no probability mass and no gradient.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from topkd.cache import TopKCache
+from topkd.cache.teacher import load_teacher
+from topkd.loss import fused_linear_kd
+
+
+@dataclass
+class Student:
+    model: nn.Module
+    tokenizer: object
+
+
+def load_student(cfg, cache: TopKCache) -> Student:
+    if cfg.init_from_teacher:
+        teacher = load_teacher(cache.fingerprint["teacher"])
+        model, tokenizer = cut_layers(teacher.model, cfg.layers), teacher.tokenizer
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not os.path.isdir(cfg.student):
+            raise ValueError(f"student: expected a local model directory, got {cfg.student!r} (not found)")
+        model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+    cache.check_student(vocab_size=model.get_output_embeddings().weight.shape[0], tokenizer=tokenizer)
+    model.config.use_cache = False
+    return Student(model=model.float().train(), tokenizer=tokenizer)
+
+
+def cut_layers(model: nn.Module, keep: int) -> nn.Module:
+    """A copy of a decoder LM with `keep` evenly spaced layers (first and last kept); embeddings, norms, head copied."""
+    layers = model.get_decoder().layers
+    n = len(layers)
+    if not 1 <= keep <= n:
+        raise ValueError(f"layers: expected 1..{n} (the teacher has {n}), got {keep}")
+    chosen = [round(i * (n - 1) / (keep - 1)) for i in range(keep)] if keep > 1 else [n - 1]
+    student = copy.deepcopy(model)
+    student.get_decoder().layers = nn.ModuleList([student.get_decoder().layers[i] for i in chosen])
+    for new_idx, layer in enumerate(student.get_decoder().layers):
+        if hasattr(getattr(layer, "self_attn", None), "layer_idx"):
+            layer.self_attn.layer_idx = new_idx
+    student.config.num_hidden_layers = keep
+    if getattr(student.config, "layer_types", None):
+        student.config.layer_types = [student.config.layer_types[i] for i in chosen]
+    return student
+
+
+class KDStudent(nn.Module):
+    """Owns the student; forward(batch) returns the summed KD (+ CE) loss of the batch's counted tokens."""
+
+    def __init__(self, model: nn.Module, teacher_vocab: int, loss_options: dict, activation_checkpointing=False):
+        super().__init__()
+        self.model, self.teacher_vocab, self.loss_options = model, teacher_vocab, loss_options
+        if activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = self.model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                          use_cache=False).last_hidden_state
+        head = self.model.get_output_embeddings()
+        weight = head.weight[: self.teacher_vocab]  # padded student rows: no mass, no gradient
+        bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab]
+        opts = self.loss_options
+        logz = batch["teacher_logz"] if opts["temperature"] != 1.0 and opts["tail"] == "bucket" else None
+        return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"], batch["teacher_logprobs"],
+                               mask=batch["mask"], teacher_logz=logz, labels=batch["labels"] if opts["ce_weight"] else None,
+                               bias=bias, reduction="sum", **opts)
