@@ -37,7 +37,11 @@ def load_student(cfg, cache: TopKCache) -> Student:
         if not os.path.isdir(cfg.student):
             raise ValueError(f"student: expected a local model directory, got {cfg.student!r} (not found)")
         model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"student {cfg.student!r} has no usable tokenizer ({str(e).splitlines()[0]}); save the "
+                             "teacher's tokenizer into that directory (tokenizer.save_pretrained)") from e
     cache.check_student(vocab_size=model.get_output_embeddings().weight.shape[0], tokenizer=tokenizer)
     model.config.use_cache = False
     return Student(model=model.float().train(), tokenizer=tokenizer)

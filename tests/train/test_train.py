@@ -1,0 +1,119 @@
+"""Training from the cache on a tiny teacher: learning, pinned losses, exact resume after a kill, accumulation."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from topkd.cache import TopKCache
+from topkd.train import TrainConfig, train
+from topkd.train.batches import SampleStream
+from topkd.train.loop import train_step
+from topkd.train.student import KDStudent, cut_layers, load_student
+
+
+def config(cache, out, **kw):
+    opts = dict(cache=cache, out=str(out), init_from_teacher=True, layers=1, steps=4, batch_size=2, grad_accum=1,
+                lr=3e-3, warmup_steps=1, checkpoint_every=0, seed=0)
+    opts.update(kw)
+    return TrainConfig(**opts)
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_loss_decreases_and_outputs_are_written(built_cache, tmp_path):
+    train(config(built_cache, tmp_path, steps=40, seq_len=24, batch_size=4))
+    curve = losses(tmp_path)
+    assert len(curve) == 40 and sum(curve[-5:]) < 0.8 * sum(curve[:5])
+    assert (tmp_path / "loss.png").stat().st_size > 5000 and (tmp_path / "final" / "config.json").exists()
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "final").config.num_hidden_layers == 1
+
+
+def test_seeded_run_pins_its_first_losses(built_cache, tmp_path):
+    train(config(built_cache, tmp_path, steps=3))
+    assert losses(tmp_path) == pytest.approx(PINNED, rel=1e-4)
+
+
+PINNED = [0.4964747, 0.8567317, 0.8202904]  # tiny teacher, seed 0; a change here is a change of behaviour
+
+
+def _cli(cache, out, steps):
+    return [sys.executable, "-m", "topkd.cli", "train", "--cache", cache, "--out", str(out), "--init-from-teacher",
+            "--layers", "1", "--steps", str(steps), "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "2",
+            "--checkpoint-every", "2", "--seq-len", "24"]
+
+
+def test_resume_after_a_real_kill_continues_the_same_trajectory(built_cache, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    steps = 60
+    proc = subprocess.Popen(_cli(built_cache, tmp_path / "killed", steps), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and sum(1 for _ in open(metrics)) >= 7:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = sum(1 for _ in open(metrics))
+    assert 7 <= done < steps, "the run finished before the kill"
+    subprocess.run(_cli(built_cache, tmp_path / "killed", steps), env=env, check=True, capture_output=True)
+    subprocess.run(_cli(built_cache, tmp_path / "ref", steps), env=env, check=True, capture_output=True)
+    assert losses(tmp_path / "killed") == losses(tmp_path / "ref") and len(losses(tmp_path / "ref")) == steps
+
+
+def test_accumulation_normalises_by_the_tokens_of_the_whole_step(built_cache, tmp_path):
+    cache = TopKCache(built_cache)
+    grads = []
+    for batch_size, accum in ((4, 1), (2, 2), (1, 4)):
+        cfg = config(built_cache, tmp_path, batch_size=batch_size, grad_accum=accum, seq_len=30)
+        torch.manual_seed(0)
+        student = load_student(cfg, cache)
+        module = KDStudent(student.model, cache.vocab_size, dict(divergence="kl", tail="bucket", temperature=1.0,
+                                                                  beta=0.5, ce_weight=0.5, impl="fused"))
+        opt = torch.optim.SGD(module.parameters(), lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        train_step(module, SampleStream(cache, 30, seed=0), opt, sched, cfg, {"step": 0, "samples": 0})
+        grads.append(torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+
+
+def test_cut_layers_keeps_first_and_last(teacher_dir):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    student = cut_layers(teacher, 2)
+    assert student.config.num_hidden_layers == 2 and len(teacher.model.layers) == 2
+    assert torch.equal(student.model.layers[1].mlp.up_proj.weight, teacher.model.layers[1].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="layers: expected 1..2"):
+        cut_layers(teacher, 3)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(init_from_teacher=False), "exactly one of --student"),
+                                      (dict(layers=0), "needs --layers >= 1"), (dict(steps=0), "steps"),
+                                      (dict(lr=0.0), "lr > 0"), (dict(student="x"), "exactly one of")])
+def test_bad_settings_are_refused(built_cache, tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        train(config(built_cache, tmp_path, **kw))
+
+
+def test_student_with_another_vocabulary_is_refused(built_cache, tmp_path, teacher_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    model.resize_token_embeddings(900)
+    model.save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="has no usable tokenizer"):
+        train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
+    AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="expected >= the cache's 1000"):
+        train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
