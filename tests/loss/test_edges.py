@@ -65,3 +65,17 @@ def test_default_chunk_comes_from_a_byte_budget():
     assert chunk_rows(32768, torch.float32, LossSpec(), False) == 2048  # 256 MiB / (32768 x 4 B)
     assert chunk_rows(201088, torch.bfloat16, LossSpec(), False) == 2**28 // (201088 * 8)
     assert chunk_rows(32768, torch.float32, LossSpec(temperature=2.0), True) == 1024  # two fp32 buffers
+
+
+def test_cpu_chunk_buffer_is_reused_across_calls_and_can_be_released():
+    from topkd.loss import fused
+    from topkd.loss.fused import chunk_buffer
+
+    fused.release_workspace()
+    a = chunk_buffer(8, 100, torch.float32, torch.device("cpu"))
+    b = chunk_buffer(4, 150, torch.float32, torch.device("cpu"))  # fits in the first: same memory
+    assert b.data_ptr() == a.data_ptr() and b.shape == (4, 150)
+    c = chunk_buffer(8, 101, torch.float32, torch.device("cpu"))  # larger: a new one replaces it
+    assert c.numel() == 808 and fused._WORKSPACE.buffer.numel() == 808
+    fused.release_workspace()
+    assert fused._WORKSPACE.buffer is None
