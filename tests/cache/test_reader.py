@@ -168,3 +168,13 @@ def test_shard_rows_that_disagree_with_the_manifest_are_refused(cache_copy):
     json.dump(manifest, open(path, "w"))
     with pytest.raises(CacheError, match="do not match the sidecar's"):
         TopKCache(str(cache_copy))
+
+
+def test_only_a_bounded_number_of_shards_stay_open(built_cache, monkeypatch):
+    from topkd.cache import reader
+
+    monkeypatch.setattr(reader, "OPEN_SHARDS", 2)
+    cache = TopKCache(built_cache)
+    rows = [cache[i]["teacher_ids"] for i in range(len(cache))]
+    assert len(cache._readers) == 2 and len(cache.manifest["shards"]) > 2
+    assert all(torch.equal(cache[i]["teacher_ids"], rows[i]) for i in range(len(cache)))

@@ -5,7 +5,8 @@
 In one process, over the same sequences: (1) build overhead: the teacher's plain forward
 (`model(ids).logits`) against the cache path (body + chunked fp32 top-K head + encode + write),
 timed interleaved per batch, with the head's GEMM timed alone so that the extraction's own cost
-(head minus GEMM, plus encode and write) is a ratio to the forward; (2) size: each codec's shard bytes per token, by part, against the
+(head minus GEMM, plus encode and write) is a ratio to the forward; (2) size: each codec's shard
+bytes per token, by part, against the
 naive layout (int32 ids + fp16 log-probs = 6K bytes) and the empirical entropy of the id gaps;
 (3) fidelity: KL(exact || decoded) per token for the bucket (K+1) and renormalised teacher.
 """

@@ -114,8 +114,9 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
         if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
             bar.update(tokens if j % world == rank else 0)
             continue
-        for stale in glob.glob(mf.shard_path(cfg.out, j) + ".tmp-*") + glob.glob(mf.sidecar_path(cfg.out, j) + ".tmp-*"):
-            os.remove(stale)  # a temp file left by a killed run: never renamed, so never trusted
+        for path in (mf.shard_path(cfg.out, j), mf.sidecar_path(cfg.out, j)):
+            for stale in glob.glob(path + ".tmp-*"):
+                os.remove(stale)  # a temp file left by a killed run: never renamed, so never trusted
         rows = [_teacher_sequence(s, r) for s, r in zip(group, _teacher_rows(teacher, group, cfg))]
         arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec)
         nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)

@@ -65,9 +65,9 @@ def _jsonl_documents(path: str, tokenizer, field: str) -> Iterator[np.ndarray]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: expected one JSON object per line, got invalid JSON ({e})")
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                keys = list(record)[:5] if isinstance(record, dict) else []
                 raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r}, got "
-                                 f"{type(record).__name__} with keys {list(record)[:5] if isinstance(record, dict) else []}; "
-                                 "set --text-field")
+                                 f"{type(record).__name__} with keys {keys}; set --text-field")
             yield _encode(tokenizer, record[field])
 
 

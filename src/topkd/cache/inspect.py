@@ -26,7 +26,7 @@ def verify_cache(path: str) -> int:
 
 def retained_mass(cache: TopKCache) -> np.ndarray:
     """Per-token top-K probability mass over the whole cache (exact, from the stored log mass)."""
-    parts = [np.exp(cache._shard(j).tensor("log_mass").astype(np.float64)) for j in range(len(cache.manifest["shards"]))]
+    parts = [np.exp(cache.shard(j).tensor("log_mass").astype(np.float64)) for j in range(len(cache.manifest["shards"]))]
     return np.concatenate(parts) if parts else np.zeros(0)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from topkd.cache.teacher import tokenizer_hash
 
 SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "seq_rows", "seq_source", "seq_token_offset",
                  "doc_starts"}
+OPEN_SHARDS = 64
 ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "lp_codes", "id_rem", "ids_packed"}  # one row per token
 CODEC_TENSORS = {"rice": {"lp_codes", "id_rem", "id_unary", "unary_offsets"}, "packed": {"lp_codes", "ids_packed"},
                  "rice-zstd": {"zstd_frames", "frame_offsets"}}
@@ -42,7 +44,7 @@ class TopKCache:
         shards = self.manifest["shards"]
         self._first = [s["sequences"][0] for s in shards]
         self._len = shards[-1]["sequences"][1] if shards else 0
-        self._readers: dict[int, ShardReader] = {}
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         for j, side in enumerate(shards):
             problem = mf.check_shard(path, side, checksum=False)
             if problem:
@@ -57,14 +59,19 @@ class TopKCache:
     def tokens(self) -> int:
         return int(self.manifest["totals"]["tokens"])
 
-    def _shard(self, j: int) -> ShardReader:
-        if j not in self._readers:
+    def shard(self, j: int) -> ShardReader:
+        """Shard j's reader; at most OPEN_SHARDS stay open (a large cache has more shards than file handles)."""
+        if j in self._readers:
+            self._readers.move_to_end(j)
+        else:
             self._readers[j] = ShardReader(os.path.join(self.path, self.manifest["shards"][j]["file"]))
+            while len(self._readers) > OPEN_SHARDS:
+                self._readers.popitem(last=False)
         return self._readers[j]
 
     def _check_header(self, j: int, side: dict) -> None:
         try:
-            shard = self._shard(j)
+            shard = self.shard(j)
         except (SafetensorError, OSError, ValueError) as e:
             raise mf.CacheError(f"cache {self.path}: {side['file']} has an unreadable header ({e}); the shard is "
                                 "corrupt: delete it and its .json sidecar, and rerun the build command")
@@ -77,8 +84,9 @@ class TopKCache:
                                 f"{sorted(expected)}, {n_seq} sequences, K={self.k}); rebuild it")
         rows = {name: shard.shape(name)[0] for name in ROW_TENSORS & shard.names}
         if int(shard.seq_rows[-1]) != side["tokens"] or any(r != side["tokens"] for r in rows.values()):
-            raise mf.CacheError(f"cache {self.path}: {side['file']} rows {rows} (seq_rows end {int(shard.seq_rows[-1])})"
-                                f" do not match the sidecar's {side['tokens']} tokens; rebuild it")
+            raise mf.CacheError(f"cache {self.path}: {side['file']} rows {rows} (seq_rows end "
+                                f"{int(shard.seq_rows[-1])}) do not match the sidecar's {side['tokens']} tokens; "
+                                "rebuild it")
 
     def locate(self, i: int) -> tuple[int, int]:
         if not -self._len <= i < self._len:
@@ -95,7 +103,7 @@ class TopKCache:
                 raise mf.CacheError(f"cache {self.path}: {problem}; delete that shard and its .json sidecar and "
                                     "rerun the build command to redo it")
             self._verified.add((os.getpid(), j))
-        seq = self._shard(j).sequence(local)
+        seq = self.shard(j).sequence(local)
         doc_start = np.zeros(len(seq), dtype=bool)
         doc_start[seq.doc_starts] = True
         return {"input_ids": torch.from_numpy(seq.input_ids), "teacher_ids": torch.from_numpy(seq.ids),
@@ -106,7 +114,7 @@ class TopKCache:
 
     def __getstate__(self):  # pickled into DataLoader workers: shard handles are re-opened there
         state = dict(self.__dict__)
-        state["_readers"] = {}
+        state["_readers"] = OrderedDict()
         return state
 
     def verify(self, progress: bool = False) -> list[str]:

@@ -1,6 +1,6 @@
 """One cache shard: consecutive sequences encoded into a safetensors file, and decoded back.
 
-    arrays, meta = encode_shard(sequences, vocab=V, codec="rice")
+    arrays, meta = encode_shard(sequences, vocab=V, codec_name="rice-zstd")
     write_shard(path, arrays, meta)            # temp file, fsync, rename: never half-written
     seq = ShardReader(path).sequence(j)        # j-th sequence of the shard, as numpy arrays
 

@@ -74,8 +74,9 @@ class SampleStream:
         labels = torch.full((e - a,), -100, dtype=torch.long)
         labels[:-1] = torch.where(mask[:-1], ids[1:], -100)
         logz = row["logz"][a:e, self.logz_column] if self.logz_column is not None else torch.zeros(e - a)
-        return {"input_ids": ids, "teacher_ids": row["teacher_ids"][a:e], "teacher_logprobs": row["teacher_logprobs"][a:e],
-                "teacher_logz": logz, "mask": mask, "labels": labels, "doc_start": doc_start}
+        return {"input_ids": ids, "teacher_ids": row["teacher_ids"][a:e],
+                "teacher_logprobs": row["teacher_logprobs"][a:e], "teacher_logz": logz, "mask": mask,
+                "labels": labels, "doc_start": doc_start}
 
     def batch(self, first_sample: int, size: int) -> dict[str, torch.Tensor]:
         samples = [self.sample(first_sample + j) for j in range(size)]
@@ -103,7 +104,7 @@ def _sequence_rows(cache: TopKCache) -> list[tuple[int, int]]:
     """(start, end) token offsets of each cached sequence, from the sidecars, without decoding anything."""
     rows = []
     for j, side in enumerate(cache.manifest["shards"]):
-        seq_rows = cache._shard(j).seq_rows
+        seq_rows = cache.shard(j).seq_rows
         rows.extend((int(a), int(b)) for a, b in zip(seq_rows[:-1], seq_rows[1:]))
     return rows
 

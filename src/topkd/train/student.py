@@ -82,6 +82,6 @@ class KDStudent(nn.Module):
         bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab]
         opts = self.loss_options
         logz = batch["teacher_logz"] if opts["temperature"] != 1.0 and opts["tail"] == "bucket" else None
+        labels = batch["labels"] if opts["ce_weight"] else None
         return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"], batch["teacher_logprobs"],
-                               mask=batch["mask"], teacher_logz=logz, labels=batch["labels"] if opts["ce_weight"] else None,
-                               bias=bias, reduction="sum", **opts)
+                               mask=batch["mask"], teacher_logz=logz, labels=labels, bias=bias, reduction="sum", **opts)
