@@ -23,6 +23,7 @@ from topkd.cache import manifest as mf
 from topkd.cache.data import check_paths, iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
+from topkd.checks import require_ints
 
 
 @dataclass
@@ -66,9 +67,8 @@ def check_config(cfg: CacheBuildConfig) -> None:
     check_paths(cfg.data)
     if cfg.codec not in CODECS:
         raise ValueError(f"codec: expected one of {CODECS}, got {cfg.codec!r}")
-    for name in ("seq_len", "k", "seqs_per_shard", "batch_size"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {getattr(cfg, name)}")
+    require_ints(cfg, ("seq_len", "k", "seqs_per_shard", "batch_size"), 1)
+    require_ints(cfg, ("max_sequences",), 0)
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):

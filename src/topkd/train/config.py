@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from topkd.checks import require_ints
+
 
 @dataclass
 class TrainConfig:
@@ -68,12 +70,8 @@ def check_config(cfg: TrainConfig) -> None:
                          f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}")
     if cfg.init_from_teacher and cfg.layers < 1:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
-    for name in ("batch_size", "grad_accum", "steps"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {getattr(cfg, name)}")
-    for name in ("seq_len", "warmup_steps", "checkpoint_every"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"{name}: expected an integer >= 0, got {getattr(cfg, name)}")
+    require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
+    require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed"), 0)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
         raise ValueError(f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
                          f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}")
