@@ -27,7 +27,7 @@ from topkd.cache import codec
 from topkd.cache.build import _teacher_sequence
 from topkd.cache.data import iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
-from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher
+from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
 
 
 @dataclass
@@ -87,7 +87,7 @@ def _time_build(teacher, seqs, cfg) -> tuple[dict, list[dict]]:
     with torch.inference_mode():
         teacher.model(warm)  # first-call costs count for neither side
         teacher.topk_rows(warm, cfg.k, temps)
-    weight, bias = teacher.head_fp32()
+    weight, bias = teacher.head_fp32
     for batch in tqdm(batches, desc="bench cache", unit="batch"):
         ids = torch.from_numpy(np.stack([s.tokens for s in batch]))
         pos = torch.from_numpy(np.stack([position_ids(ids.shape[1], s.doc_starts) for s in batch]))
@@ -96,7 +96,7 @@ def _time_build(teacher, seqs, cfg) -> tuple[dict, list[dict]]:
             h, t_body = _timed(lambda: teacher.hidden_states(ids, pos).reshape(-1, weight.shape[1]))
             flat, t_head = _timed(lambda: head_topk(h, weight, bias, cfg.k, temps))
             t["head_gemm_s"] += _timed(lambda: _gemm_only(h, weight))[1]
-        per_seq = [{n: v[i * ids.shape[1]:(i + 1) * ids.shape[1]] for n, v in flat.items()} for i in range(len(batch))]
+        per_seq = split_rows(flat, len(batch), ids.shape[1])
         t["encode_write_s"] += _timed(lambda: _encode_write(batch, per_seq, teacher.vocab, cfg.out))[1]
         t["body_s"], t["head_s"] = t["body_s"] + t_body, t["head_s"] + t_head
         rows.extend(per_seq)
@@ -168,7 +168,7 @@ def _kl(exact: np.ndarray, decoded: np.ndarray) -> np.ndarray:
 
 def _gap_entropy(exact) -> float:
     """Empirical entropy (bits per id) of the sorted-id gaps: a floor for any gap coder of one distribution."""
-    gaps = np.concatenate([codec.id_gaps(np.sort(s.ids.astype(np.int64), axis=1)).ravel() for s in exact])
+    gaps = np.concatenate([codec.sorted_gaps(s.ids.astype(np.int64))[1].ravel() for s in exact])
     counts = np.bincount(gaps)
     p = counts[counts > 0] / gaps.size
     return float(-(p * np.log2(p)).sum())

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from topkd.cache import manifest as mf
 from topkd.cache.data import check_paths, iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
-from topkd.cache.teacher import Teacher, load_teacher
+from topkd.cache.teacher import Teacher, load_teacher, split_rows
 from topkd.checks import require_ints
 
 
@@ -141,8 +141,8 @@ def _teacher_rows(teacher: Teacher, group, cfg: CacheBuildConfig) -> list[dict]:
             ids = torch.from_numpy(np.stack([group[i].tokens for i in batch])).to(teacher.model.device)
             pos = torch.from_numpy(np.stack([position_ids(length, group[i].doc_starts) for i in batch]))
             rows = teacher.topk_rows(ids, cfg.k, tuple(cfg.temperatures), pos.to(ids.device))
-            for n, i in enumerate(batch):
-                out[i] = {name: v[n * length:(n + 1) * length] for name, v in rows.items()}
+            for i, seq_rows in zip(batch, split_rows(rows, len(batch), length)):
+                out[i] = seq_rows
     return out
 
 

@@ -86,12 +86,15 @@ def decode_unary(stream: np.ndarray, count: int) -> np.ndarray:
     return np.diff(zeros, prepend=-1) - 1
 
 
-def encode_rice(ids: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Ids [T, K] (any order) -> (ascending order permutation, remainders [T, bytes], unary stream)."""
+def sorted_gaps(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ids [T, K] (any order) -> (the permutation sorting each row ascending, the gaps of the sorted rows)."""
     order = np.argsort(ids, axis=1, kind="stable")
-    gaps = id_gaps(np.take_along_axis(ids, order, axis=1).astype(np.int64))
-    remainders = pack_bits(gaps & ((1 << b) - 1), b)
-    return order, remainders, encode_unary(gaps >> b)
+    return order, id_gaps(np.take_along_axis(ids, order, axis=1).astype(np.int64))
+
+
+def encode_rice(gaps: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gaps [T, K] -> (low b bits bit-packed [T, bytes], high parts as one unary stream)."""
+    return pack_bits(gaps & ((1 << b) - 1), b), encode_unary(gaps >> b)
 
 
 def decode_rice(remainders: np.ndarray, stream: np.ndarray, k: int, b: int) -> np.ndarray:

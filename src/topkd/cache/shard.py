@@ -67,10 +67,11 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
         arrays["ids_packed"] = codec.pack_bits(ids, codec.id_bits(vocab))
         arrays["lp_codes"] = codec.quantise_logprobs(logprobs)
         return arrays, meta
-    b = codec.best_rice_parameter(codec.id_gaps(np.sort(ids, axis=1)))
-    parts = [codec.encode_rice(ids[a:e], b) for a, e in zip(rows, rows[1:])]  # one unary stream per sequence
-    order, streams = np.concatenate([p[0] for p in parts]), [p[2] for p in parts]
-    arrays["id_rem"] = np.concatenate([p[1] for p in parts])
+    order, gaps = codec.sorted_gaps(ids)
+    b = codec.best_rice_parameter(gaps)
+    parts = [codec.encode_rice(gaps[a:e], b) for a, e in zip(rows, rows[1:])]  # one unary stream per sequence
+    streams = [p[1] for p in parts]
+    arrays["id_rem"] = np.concatenate([p[0] for p in parts])
     arrays["id_unary"] = np.concatenate(streams)
     arrays["unary_offsets"] = np.concatenate([[0], np.cumsum([len(s) for s in streams])]).astype(np.int64)
     arrays["lp_codes"] = codec.quantise_logprobs(np.take_along_axis(logprobs, order, axis=1))

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,20 +44,19 @@ class Teacher:
         return self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                         use_cache=False).last_hidden_state
 
+    @cached_property
     def head_fp32(self) -> tuple[Tensor, Tensor | None]:
         """The lm_head weight (and bias) in fp32, converted once (a bf16 teacher keeps its body in bf16)."""
-        if not hasattr(self, "_head"):
-            head = self.model.get_output_embeddings()
-            bias = getattr(head, "bias", None)
-            self._head = (head.weight.detach().float(), None if bias is None else bias.detach().float())
-        return self._head
+        head = self.model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        return head.weight.detach().float(), None if bias is None else bias.detach().float()
 
     @torch.inference_mode()
     def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = (),
                   position_ids: Tensor | None = None) -> dict[str, np.ndarray]:
         """[B, L] token ids -> per token (flattened B*L): ids, logprobs, log_mass, log_tail, logz."""
         h = self.hidden_states(input_ids, position_ids)
-        weight, bias = self.head_fp32()
+        weight, bias = self.head_fp32
         return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures,
                          getattr(self.model.config, "final_logit_softcapping", None))
 
@@ -118,6 +118,11 @@ def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> dict:
     return {"ids": ids.to(torch.int32).numpy(), "logprobs": logprobs.numpy(),
             "log_mass": torch.logsumexp(logprobs, dim=1).numpy(), "log_tail": (log_tail - log_total).numpy(),
             "logz": torch.stack(logz, 1).numpy() if logz else np.zeros((n, 0), np.float32)}
+
+
+def split_rows(flat: dict[str, np.ndarray], n_seqs: int, length: int) -> list[dict[str, np.ndarray]]:
+    """Rows of a [n_seqs, length] batch, flattened by topk_rows, back into one dict per sequence."""
+    return [{name: v[i * length:(i + 1) * length] for name, v in flat.items()} for i in range(n_seqs)]
 
 
 def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Teacher:

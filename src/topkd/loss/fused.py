@@ -135,15 +135,11 @@ def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index,
         else:
             grads.hidden.index_copy_(0, row_index[start:end], dz_in @ weight)
     if grads.weight is not None:
-        if dz_in.dtype == grads.weight.dtype:
-            if first:
-                torch.mm(dz_in.t(), x, out=grads.weight)
-            else:
-                grads.weight.addmm_(dz_in.t(), x)
-        elif first:
-            grads.weight.copy_(dz_in.t() @ x)
+        if dz_in.dtype == grads.weight.dtype:  # beta=0: the uninitialised buffer is ignored, never read
+            grads.weight.addmm_(dz_in.t(), x, beta=0.0 if first else 1.0)
         else:
-            grads.weight.add_(dz_in.t() @ x)
+            product = dz_in.t() @ x
+            grads.weight.copy_(product) if first else grads.weight.add_(product)
     if grads.bias is not None:
         grads.bias.add_(dz.sum(dim=0))
 

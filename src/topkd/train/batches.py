@@ -24,6 +24,7 @@ class SampleStream:
     def __init__(self, cache: TopKCache, seq_len: int, seed: int, temperature_column: int | None = None):
         self.cache, self.seq_len, self.seed, self.logz_column = cache, seq_len, seed, temperature_column
         self.lengths = [s_end - s_start for s_start, s_end in _sequence_rows(cache)]
+        self.per_epoch = -(-sum(self.lengths) // seq_len)  # pieces fill samples in order: the count is fixed
         self.separator = cache.manifest["build"].get("separator")
         self._plans: dict[int, list[list[tuple[int, int, int]]]] = {}
         self._decoded: tuple[int, dict] | None = None
@@ -48,8 +49,7 @@ class SampleStream:
         return self._plans[epoch]
 
     def locate(self, index: int) -> list[tuple[int, int, int]]:
-        per_epoch = len(self.plan(0))
-        return self.plan(index // per_epoch)[index % per_epoch]
+        return self.plan(index // self.per_epoch)[index % self.per_epoch]
 
     def _sequence(self, i: int) -> dict:
         if self._decoded is None or self._decoded[0] != i:
@@ -93,10 +93,9 @@ def _pad(sample: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tenso
         fill = -100 if name == "labels" else 0
         out[name] = torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
     out["position_ids"][n:] = torch.arange(pad) + (int(sample["position_ids"][-1]) + 1)
-    out["mask"][n:] = False
-    if pad and "teacher_ids" in out:  # padded rows are masked; distinct ids keep them well-formed anyway
-        out["teacher_ids"][n:] = torch.arange(out["teacher_ids"].shape[1])
-        out["teacher_logprobs"][n:] = -30.0
+    out["mask"][n:] = False  # padded rows are masked; distinct ids keep them well-formed anyway
+    out["teacher_ids"][n:] = torch.arange(out["teacher_ids"].shape[1])
+    out["teacher_logprobs"][n:] = -30.0
     return out
 
 

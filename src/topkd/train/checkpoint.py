@@ -62,7 +62,7 @@ def load_latest(out: str, model, optimizer, scheduler, state: dict) -> bool:
         return False
     path = found[-1]
     missing, unexpected = model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
-    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+    if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not fit this student (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]}); use a new --out, or the student it was trained with")
     saved = torch.load(os.path.join(path, "state.pt"), weights_only=False)
