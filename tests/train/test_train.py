@@ -117,3 +117,13 @@ def test_student_with_another_vocabulary_is_refused(built_cache, tmp_path, teach
     AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="expected >= the cache's 1000"):
         train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
+
+
+def test_resume_with_more_steps_follows_the_new_schedule(built_cache, tmp_path):
+    train(config(built_cache, tmp_path / "short", steps=2, warmup_steps=1))
+    train(config(built_cache, tmp_path / "short", steps=4, warmup_steps=1))
+    train(config(built_cache, tmp_path / "long", steps=4, warmup_steps=1))
+    extended = [json.loads(line) for line in open(tmp_path / "short" / "metrics.jsonl")]
+    fresh = [json.loads(line) for line in open(tmp_path / "long" / "metrics.jsonl")]
+    assert [r["step"] for r in extended] == [1, 2, 3, 4]
+    assert [r["lr"] for r in extended[2:]] == pytest.approx([r["lr"] for r in fresh[2:]])

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from topkd import dist
 from topkd.cache import manifest as mf
 from topkd.cache.data import check_paths, iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
@@ -78,9 +79,8 @@ def check_config(cfg: CacheBuildConfig) -> None:
 def build(cfg: CacheBuildConfig) -> dict:
     """Build (or resume) the cache in cfg.out; returns the manifest."""
     check_config(cfg)
-    rank, world = _distributed(cfg.device)
-    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cfg.device == "cuda" else cfg.device
-    teacher = load_teacher(cfg.teacher, cfg.dtype, device)
+    rank, world = dist.init(cfg.device)
+    teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device))
     fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
     build_info = _build_info(cfg, teacher)
     build_hash = mf.json_sha256({"fingerprint": fingerprint, "build": build_info})
@@ -89,8 +89,7 @@ def build(cfg: CacheBuildConfig) -> dict:
         return existing
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)
     n_shards = _build_shards(teacher, cfg, build_hash, rank, world)
-    if world > 1:
-        torch.distributed.barrier()
+    dist.barrier()
     if rank != 0:
         return {}
     sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
@@ -176,12 +175,3 @@ def _finished(root: str, build_hash: str) -> dict | None:
                             "differ); use a new --out directory, or delete it to rebuild")
     return manifest
 
-
-def _distributed(device: str) -> tuple[int, int]:
-    """(rank, world) under torchrun (gloo on CPU, nccl on CUDA); (0, 1) otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo")
-    return torch.distributed.get_rank(), world

@@ -1,81 +1,95 @@
-"""Training checkpoints: written whole or not at all, newest one resumed.
+"""Training checkpoints: torch distributed checkpoints (DCP), written whole or not at all.
 
-    OUT/checkpoints/step-000050/{model.safetensors, state.pt}
+    OUT/checkpoints/step-000050/{.metadata, __0_0.distcp, ..., train_state.pt}
 
-A checkpoint is written into `step-NNNNNN.tmp-PID` and renamed when complete; the two newest
-are kept. state.pt holds the optimizer, scheduler, torch RNG and the training position
-(steps taken, samples consumed), which is all the data order needs to continue.
+Model and optimizer go through torch.distributed.checkpoint, so each rank writes only its own
+shards and a run may resume with a different number of processes (DCP reshards on load); one
+plain process uses the same format. Everything is written into `step-NNNNNN.tmp` and rank 0
+renames it when every rank has finished; the two newest are kept. train_state.pt holds the
+scheduler and the training position (steps taken, samples consumed), which is all the data
+order needs to continue. Random state is not saved: each step reseeds from (seed, step, rank).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import shutil
+import warnings
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from topkd import dist
 
 KEEP = 2
+STATE_FILE = "train_state.pt"
 
 
 def _dir(out: str) -> str:
     return os.path.join(out, "checkpoints")
 
 
-def save(out: str, model, optimizer, scheduler, state: dict) -> str:
+def save(out: str, module, optimizer, scheduler, state: dict) -> str:
+    """A collective: every rank calls it."""
     final = os.path.join(_dir(out), f"step-{state['step']:06d}")
     if os.path.isdir(final):
         return final
-    tmp = f"{final}.tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(_untied(tensors), os.path.join(tmp, "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state(), "state": dict(state)}, os.path.join(tmp, "state.pt"))
-    os.replace(tmp, final)
-    for old in sorted(_complete(out))[:-KEEP]:
-        shutil.rmtree(old)
+    tmp = f"{final}.tmp"
+    model_state, optim_state = get_state_dict(module, optimizer)
+    with _one_process_is_intended():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=not dist.active())
+    if dist.rank() == 0:
+        torch.save({"scheduler": scheduler.state_dict(), "state": dict(state)}, os.path.join(tmp, STATE_FILE))
+        os.replace(tmp, final)
+        for old in sorted(_complete(out))[:-KEEP]:
+            shutil.rmtree(old)
+    dist.barrier()
     return final
 
 
-def _untied(tensors: dict) -> dict:
-    """safetensors refuses shared storage (tied embeddings): store such entries as their own copies."""
-    seen, out = set(), {}
-    for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        out[name] = t.clone() if key in seen else t
-        seen.add(key)
-    return out
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """DCP warns that it assumes one process when torch.distributed is not initialised: here that is the plan."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _complete(out: str) -> list[str]:
-    return [d for d in glob.glob(os.path.join(_dir(out), "step-*")) if ".tmp-" not in d]
+    return [d for d in glob.glob(os.path.join(_dir(out), "step-*"))
+            if not d.endswith(".tmp") and os.path.exists(os.path.join(d, STATE_FILE))]
 
 
-def load_latest(out: str, model, optimizer, scheduler, state: dict) -> bool:
+def load_latest(out: str, module, optimizer, scheduler, state: dict) -> bool:
     """Restore the newest complete checkpoint into the given objects; False when there is none."""
-    for stale in glob.glob(os.path.join(_dir(out), "step-*.tmp-*")):
-        shutil.rmtree(stale, ignore_errors=True)  # a checkpoint cut short by a crash
+    if dist.rank() == 0:
+        for stale in glob.glob(os.path.join(_dir(out), "step-*.tmp")):
+            shutil.rmtree(stale, ignore_errors=True)  # a checkpoint cut short by a crash
+    dist.barrier()
     found = sorted(_complete(out))
     if not found:
         return False
     path = found[-1]
-    missing, unexpected = model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not fit this student (missing {missing[:3]}, unexpected "
-                         f"{unexpected[:3]}); use a new --out, or the student it was trained with")
-    saved = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
+    model_state, optim_state = get_state_dict(module, optimizer)
+    try:
+        with _one_process_is_intended():
+            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=not dist.active())
+    except Exception as e:  # DCP reports a mismatch as a CheckpointException wrapping each rank's error
+        raise ValueError(f"{path}: checkpoint does not fit this student and optimizer ({str(e).splitlines()[0][:300]})"
+                         "; use a new --out, or the student it was trained with") from e
+    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    saved = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
     scheduler.load_state_dict(saved["scheduler"])
-    torch.set_rng_state(saved["rng"])
     state.update(saved["state"])
     return True
 
 
 def truncate_metrics(path: str, step: int) -> None:
     """Keep only metric rows up to the resumed step (rows after it were lost with the process)."""
-    if not os.path.exists(path):
+    if dist.rank() != 0 or not os.path.exists(path):
         return
     rows = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= step]
     with open(path, "w") as f:

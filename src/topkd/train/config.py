@@ -32,6 +32,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     checkpoint_every: int = 50
     seed: int = 0
+    device: str = "cpu"
 
 
 TRAIN_HELP = {
@@ -59,6 +60,7 @@ TRAIN_HELP = {
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
     "seed": "seed for the data order and initialisation",
+    "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK, one GPU per process)",
 }
 
 
@@ -70,6 +72,8 @@ def check_config(cfg: TrainConfig) -> None:
                          f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}")
     if cfg.init_from_teacher and cfg.layers < 1:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected cpu | cuda, got {cfg.device!r}")
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
     require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed"), 0)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):

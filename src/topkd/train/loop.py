@@ -1,11 +1,13 @@
 """`topkd train`: train a student against a top-K cache with the fused KD loss.
 
     topkd train --cache runs/cache --init-from-teacher --layers 6 --out runs/student --steps 500
+    torchrun --nproc_per_node 4 -m topkd.cli train ...      # FSDP2: same flags, --batch-size per process
 
-Single process. Each optimizer step takes grad_accum micro-batches whose summed loss is divided
-by the counted tokens of the whole step, so accumulation changes nothing but memory. AdamW
+Each optimizer step takes grad_accum micro-batches per process whose summed loss is divided by
+the counted tokens of the whole global batch, so accumulation and the number of processes
+change nothing but memory and speed (see topkd.train.parallel). AdamW
 (no decay on norms and biases), linear warmup then cosine, gradient clipping. Checkpoints
-(model, optimizer, scheduler, RNG, samples consumed) are written to a temp directory and
+(DCP: model, optimizer, scheduler, samples consumed) are written to a temp directory and
 renamed; a rerun of the same command resumes from the newest one and continues the exact loss
 trajectory. Outputs in --out: metrics.jsonl, loss.png, final/ (save_pretrained, safetensors).
 """
@@ -21,16 +23,20 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
+from topkd import dist
 from topkd.cache import TopKCache
 from topkd.train import checkpoint as ckpt
 from topkd.train.batches import SampleStream, count_tokens, logz_column
 from topkd.train.config import TrainConfig, check_config
+from topkd.train.parallel import full_state_dict, scalar, shard_student
 from topkd.train.student import KDStudent, load_student
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run (or resume) training; returns the final metrics row."""
+    """Run (or resume) training; returns the final metrics row (on every rank)."""
     check_config(cfg)
+    rank, world = dist.init(cfg.device)
+    device = dist.local_device(cfg.device)
     torch.manual_seed(cfg.seed)
     cache = TopKCache(cfg.cache)
     seq_len = cfg.seq_len or int(cache.manifest["build"]["seq_len"])
@@ -38,60 +44,88 @@ def train(cfg: TrainConfig) -> dict:
     stream = SampleStream(cache, seq_len, cfg.seed, logz_column(cache, cfg.temperature, cfg.tail))
     options = dict(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
                    ce_weight=cfg.ce_weight, impl=cfg.impl)
-    module = KDStudent(student.model, cache.vocab_size, options, cfg.activation_checkpointing)
-    optimizer = torch.optim.AdamW(param_groups(student.model, cfg.weight_decay), lr=cfg.lr)
+    module = KDStudent(student.model.to(device), cache.vocab_size, options, cfg.activation_checkpointing)
+    shard_student(module)
+    optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = {"step": 0, "samples": 0}
     os.makedirs(cfg.out, exist_ok=True)
-    resumed = ckpt.load_latest(cfg.out, student.model, optimizer, scheduler, state)
+    resumed = ckpt.load_latest(cfg.out, module, optimizer, scheduler, state)
+    for group in optimizer.param_groups:  # the schedule of this run's flags (a resume may extend --steps)
+        group["lr"] = group["initial_lr"] * lr_factor(state["step"], cfg)
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
     ckpt.truncate_metrics(metrics_path, state["step"])  # rows past the checkpoint will be recomputed
-    with open(os.path.join(cfg.out, "config.json"), "w") as f:
-        json.dump(asdict(cfg), f, indent=1)
+    if rank == 0:
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump({**asdict(cfg), "world_size": world}, f, indent=1)
     row = {}
-    bar = tqdm(total=cfg.steps, initial=state["step"], desc="train" + (" (resumed)" if resumed else ""), unit="step")
+    bar = tqdm(total=cfg.steps, initial=state["step"], desc="train" + (" (resumed)" if resumed else ""), unit="step",
+               disable=None if rank == 0 else True)
     while state["step"] < cfg.steps:
         row = train_step(module, stream, optimizer, scheduler, cfg, state)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", GiB=f"{row['peak_gib']:.2f}")
         if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
-            ckpt.save(cfg.out, student.model, optimizer, scheduler, state)
+            ckpt.save(cfg.out, module, optimizer, scheduler, state)
     bar.close()
-    ckpt.save(cfg.out, student.model, optimizer, scheduler, state)
-    student.model.save_pretrained(os.path.join(cfg.out, "final"))
-    student.tokenizer.save_pretrained(os.path.join(cfg.out, "final"))
-    plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"))
+    ckpt.save(cfg.out, module, optimizer, scheduler, state)
+    save_final(module, student, os.path.join(cfg.out, "final"))
+    if rank == 0:
+        plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"))
     return row
 
 
+def save_final(module: KDStudent, student, path: str) -> None:
+    """save_pretrained of the unsharded student (safetensors), written by rank 0."""
+    weights = full_state_dict(module)  # a collective; keys carry the wrapper's "model." prefix
+    if dist.rank() == 0:
+        weights = {name.removeprefix("model."): t for name, t in weights.items()}
+        student.model.save_pretrained(path, state_dict=weights)
+        student.tokenizer.save_pretrained(path)
+    dist.barrier()
+
+
 def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig, state: dict) -> dict:
-    """One optimizer step over grad_accum micro-batches, normalised by the step's counted tokens."""
+    """One optimizer step: grad_accum micro-batches per rank, normalised by the global batch's counted tokens.
+
+    Micro-batch m of rank r holds samples (m * world + r) * batch_size onwards, so N ranks with
+    --batch-size b see exactly the samples one process with --batch-size N*b would."""
     start = time.perf_counter()
-    micro = [stream.batch(state["samples"] + m * cfg.batch_size, cfg.batch_size) for m in range(cfg.grad_accum)]
-    tokens = sum(count_tokens(b) for b in micro)
+    world, rank, size = max(1, dist.world()), dist.rank(), cfg.batch_size
+    torch.manual_seed(cfg.seed * 1_000_003 + state["step"] * world + rank)  # dropout etc.: resume needs no RNG state
+    device = next(module.parameters()).device
+    micro = [_to(stream.batch(state["samples"] + (m * world + rank) * size, size), device)
+             for m in range(cfg.grad_accum)]
+    tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for batch in micro:
-        with _autocast(cfg.autocast_bf16):
+        with _autocast(cfg.autocast_bf16, device):
             loss = module(batch) / max(tokens, 1)
         loss.backward()
         total += float(loss.detach())
     params = [p for p in module.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
+    grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     state["step"] += 1
-    state["samples"] += cfg.batch_size * cfg.grad_accum
+    state["samples"] += size * cfg.grad_accum * world
     seconds = time.perf_counter() - start
-    return {"step": state["step"], "loss": total, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
-            "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": peak_rss_gib()}
+    return {"step": state["step"], "loss": dist.all_sum(total), "lr": lr, "grad_norm": grad_norm,
+            "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "peak_gib": dist.all_max(peak_memory_gib(device))}
 
 
-def _autocast(enabled: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return batch if device.type == "cpu" else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _autocast(enabled: bool, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -110,7 +144,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def peak_rss_gib() -> float:
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak CUDA memory allocated on a GPU; peak resident set (VmHWM) of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
     try:
         for line in open("/proc/self/status"):
             if line.startswith("VmHWM:"):

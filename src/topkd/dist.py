@@ -1,0 +1,63 @@
+"""torch.distributed in one place: the same code runs as one plain process or under torchrun.
+
+    rank, world = topkd.dist.init("cpu")      # (0, 1) without torchrun; gloo on CPU, nccl on CUDA
+    tokens = topkd.dist.all_sum(local_tokens)
+
+Every helper is a no-op (returns its input) when there is one process, so callers never branch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(device: str) -> tuple[int, int]:
+    """(rank, world) under torchrun, initialising the process group once; (0, 1) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), world
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def local_device(device: str) -> str:
+    """cuda -> cuda:LOCAL_RANK (one GPU per process); cpu stays cpu."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if device == "cuda" else device
+
+
+def all_sum(value: float) -> float:
+    return _reduce(value, dist.ReduceOp.SUM)
+
+
+def all_max(value: float) -> float:
+    return _reduce(value, dist.ReduceOp.MAX)
+
+
+def _reduce(value: float, op) -> float:
+    if not active():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()

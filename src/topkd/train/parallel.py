@@ -1,0 +1,43 @@
+"""FSDP2 for the student: each decoder block and the root sharded over the torchrun processes.
+
+    shard_student(module)       # no-op with one process; fully_shard per block, then the root
+    state = full_state_dict(module.model)   # gathered on every rank, on CPU, for save_pretrained
+
+The root is the KDStudent module, whose forward runs the fused loss: FSDP2 gathers the
+embeddings, final norm and lm_head when that forward starts, so the loss sees the whole head.
+Gradients are summed over ranks, not averaged: each rank's loss is already divided by the token
+count of the whole global batch, so the sum is the exact gradient of the global mean.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from topkd import dist
+
+
+def shard_student(module: nn.Module) -> nn.Module:
+    if not dist.active():
+        return module
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for block in module.model.get_decoder().layers:
+        fully_shard(block)
+    fully_shard(module)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return module
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters and buffers on CPU (a collective: every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def scalar(t: torch.Tensor) -> float:
+    """A reduced value as a float, whether a DTensor (sharded params) or a plain tensor."""
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
