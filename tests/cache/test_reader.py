@@ -126,7 +126,7 @@ def test_student_vocabulary_and_tokenizer_are_checked(built_cache, teacher_dir):
     tok = AutoTokenizer.from_pretrained(teacher_dir)
     cache.check_student(vocab_size=1000, tokenizer=tok)
     cache.check_student(vocab_size=1024)  # padded lm_head rows beyond the teacher's vocabulary are allowed
-    with pytest.raises(ValueError, match="expected >= the cache's 1000"):
+    with pytest.raises(ValueError, match="expected >= the teacher's 1000"):
         cache.check_student(vocab_size=999)
     tok.add_tokens(["<extra>"])
     with pytest.raises(ValueError, match="would not line up"):

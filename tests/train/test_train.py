@@ -115,7 +115,7 @@ def test_student_with_another_vocabulary_is_refused(built_cache, tmp_path, teach
     with pytest.raises(ValueError, match="has no usable tokenizer"):
         train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
     AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "small")
-    with pytest.raises(ValueError, match="expected >= the cache's 1000"):
+    with pytest.raises(ValueError, match="expected >= the teacher's 1000"):
         train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
 
 

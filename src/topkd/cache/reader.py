@@ -126,12 +126,31 @@ class TopKCache:
                                                                   disable=not progress)]
         return [p for p in problems if p]
 
+    @property
+    def seq_len(self) -> int:
+        return int(self.manifest["build"]["seq_len"])
+
+    @property
+    def separator(self) -> int | None:
+        return self.manifest["build"].get("separator")
+
+    def sequence_lengths(self) -> list[int]:
+        """Tokens of each cached sequence, from the shard headers, without decoding anything."""
+        lengths = []
+        for j in range(len(self.manifest["shards"])):
+            lengths.extend(np.diff(self.shard(j).seq_rows).tolist())
+        return lengths
+
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
         """Refuse a student whose vocabulary or tokenizer differs from the teacher's."""
-        if vocab_size < self.vocab_size:
-            raise ValueError(f"student vocabulary: expected >= the cache's {self.vocab_size} (padded rows beyond it "
-                             f"are masked), got {vocab_size}; use a student with the teacher's tokenizer")
-        if tokenizer is not None and tokenizer_hash(tokenizer) != self.fingerprint["tokenizer_sha256"]:
-            raise ValueError(f"student tokenizer: expected the teacher's (sha256 "
-                             f"{self.fingerprint['tokenizer_sha256'][:12]}), got a different one (sha256 "
-                             f"{tokenizer_hash(tokenizer)[:12]}); token ids would not line up with the cache")
+        check_student_fits(self.vocab_size, self.fingerprint["tokenizer_sha256"], vocab_size, tokenizer)
+
+
+def check_student_fits(teacher_vocab: int, teacher_tokenizer_sha256: str, vocab_size: int, tokenizer=None) -> None:
+    if vocab_size < teacher_vocab:
+        raise ValueError(f"student vocabulary: expected >= the teacher's {teacher_vocab} (padded rows beyond it "
+                         f"are masked), got {vocab_size}; use a student with the teacher's tokenizer")
+    if tokenizer is not None and tokenizer_hash(tokenizer) != teacher_tokenizer_sha256:
+        raise ValueError(f"student tokenizer: expected the teacher's (sha256 {teacher_tokenizer_sha256[:12]}), got a "
+                         f"different one (sha256 {tokenizer_hash(tokenizer)[:12]}); token ids would not line up with "
+                         "the teacher's")

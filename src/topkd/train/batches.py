@@ -21,11 +21,13 @@ from topkd.cache.data import position_ids
 
 
 class SampleStream:
-    def __init__(self, cache: TopKCache, seq_len: int, seed: int, temperature_column: int | None = None):
-        self.cache, self.seq_len, self.seed, self.logz_column = cache, seq_len, seed, temperature_column
-        self.lengths = [s_end - s_start for s_start, s_end in _sequence_rows(cache)]
+    """Samples over a sequence source: a TopKCache, or a teacher run on the fly (topkd.train.online)."""
+
+    def __init__(self, source: TopKCache, seq_len: int, seed: int, temperature_column: int | None = None):
+        self.source, self.seq_len, self.seed, self.logz_column = source, seq_len, seed, temperature_column
+        self.lengths = source.sequence_lengths()
         self.per_epoch = -(-sum(self.lengths) // seq_len)  # pieces fill samples in order: the count is fixed
-        self.separator = cache.manifest["build"].get("separator")
+        self.separator = source.separator
         self._plans: dict[int, list[list[tuple[int, int, int]]]] = {}
         self._decoded: tuple[int, dict] | None = None
 
@@ -53,7 +55,7 @@ class SampleStream:
 
     def _sequence(self, i: int) -> dict:
         if self._decoded is None or self._decoded[0] != i:
-            self._decoded = (i, self.cache[i])
+            self._decoded = (i, self.source[i])
         return self._decoded[1]
 
     def sample(self, index: int) -> dict[str, torch.Tensor]:
@@ -99,24 +101,15 @@ def _pad(sample: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tenso
     return out
 
 
-def _sequence_rows(cache: TopKCache) -> list[tuple[int, int]]:
-    """(start, end) token offsets of each cached sequence, from the sidecars, without decoding anything."""
-    rows = []
-    for j, side in enumerate(cache.manifest["shards"]):
-        seq_rows = cache.shard(j).seq_rows
-        rows.extend((int(a), int(b)) for a, b in zip(seq_rows[:-1], seq_rows[1:]))
-    return rows
-
-
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["mask"].sum())
 
 
-def logz_column(cache: TopKCache, temperature: float, tail: str) -> int | None:
-    """The cache column holding c_T for this temperature; None when not needed. Refuses a missing one."""
+def logz_column(source: TopKCache, temperature: float, tail: str) -> int | None:
+    """The source's column holding c_T for this temperature; None when not needed. Refuses a missing one."""
     if temperature == 1.0 or tail == "renorm":
         return None
-    temps = [float(t) for t in cache.temperatures]
+    temps = [float(t) for t in source.temperatures]
     if temperature not in temps:
         raise ValueError(f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
                          f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "

@@ -1,7 +1,7 @@
 """TrainConfig: every `topkd train` flag, one field each, with its help text."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from topkd.checks import require_ints
 
@@ -9,6 +9,10 @@ from topkd.checks import require_ints
 @dataclass
 class TrainConfig:
     cache: str = ""
+    teacher: str = ""
+    data: list[str] = field(default_factory=list)
+    online_k: int = 0
+    text_field: str = "text"
     out: str = ""
     student: str = ""
     init_from_teacher: bool = False
@@ -37,6 +41,10 @@ class TrainConfig:
 
 TRAIN_HELP = {
     "cache": "top-K cache directory (from `topkd cache build`)",
+    "teacher": "online mode instead of --cache: run this teacher (HF dir or .gguf) in memory on --data every step",
+    "data": "online mode: text files (.txt, .jsonl, .npy), packed as `topkd cache build` packs them",
+    "online_k": "online mode: top-K taken on the fly (0: full-vocabulary KD)",
+    "text_field": "online mode: JSONL field holding the text",
     "out": "run directory: checkpoints/, metrics.jsonl, loss.png, final/ (a rerun resumes from the last checkpoint)",
     "student": "student: a local Hugging Face model directory (or use --init-from-teacher)",
     "init_from_teacher": "derive the student from the cache's teacher: keep --layers evenly spaced layers",
@@ -65,8 +73,15 @@ TRAIN_HELP = {
 
 
 def check_config(cfg: TrainConfig) -> None:
-    if not cfg.cache or not cfg.out:
-        raise ValueError(f"expected --cache and --out, got cache={cfg.cache!r} out={cfg.out!r}")
+    if bool(cfg.cache) == bool(cfg.teacher) or not cfg.out:
+        raise ValueError(f"expected --out and exactly one of --cache (offline) or --teacher (online), got "
+                         f"cache={cfg.cache!r} teacher={cfg.teacher!r} out={cfg.out!r}")
+    if cfg.teacher and (not cfg.data or cfg.seq_len < 2):
+        raise ValueError(f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
+                         f"seq_len={cfg.seq_len}")
+    if cfg.cache and (cfg.data or cfg.online_k):
+        raise ValueError(f"--data and --online-k belong to online mode (--teacher); with --cache the data is the "
+                         f"cache's, got data={cfg.data} online_k={cfg.online_k}")
     if bool(cfg.student) == cfg.init_from_teacher:
         raise ValueError("expected exactly one of --student DIR or --init-from-teacher, got "
                          f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}")
@@ -75,7 +90,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected cpu | cuda, got {cfg.device!r}")
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
-    require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed"), 0)
+    require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k"), 0)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
         raise ValueError(f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
                          f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}")

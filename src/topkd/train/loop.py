@@ -25,9 +25,11 @@ from tqdm import tqdm
 
 from topkd import dist
 from topkd.cache import TopKCache
+from topkd.cache.teacher import load_teacher
 from topkd.train import checkpoint as ckpt
 from topkd.train.batches import SampleStream, count_tokens, logz_column
 from topkd.train.config import TrainConfig, check_config
+from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
 from topkd.train.student import KDStudent, load_student
 
@@ -38,13 +40,13 @@ def train(cfg: TrainConfig) -> dict:
     rank, world = dist.init(cfg.device)
     device = dist.local_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    cache = TopKCache(cfg.cache)
-    seq_len = cfg.seq_len or int(cache.manifest["build"]["seq_len"])
-    student = load_student(cfg, cache)
-    stream = SampleStream(cache, seq_len, cfg.seed, logz_column(cache, cfg.temperature, cfg.tail))
+    source = open_source(cfg, device)
+    seq_len = cfg.seq_len or source.seq_len
+    student = load_student(cfg, source)
+    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, cfg.temperature, cfg.tail))
     options = dict(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
                    ce_weight=cfg.ce_weight, impl=cfg.impl)
-    module = KDStudent(student.model.to(device), cache.vocab_size, options, cfg.activation_checkpointing)
+    module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing)
     shard_student(module)
     optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
@@ -76,6 +78,15 @@ def train(cfg: TrainConfig) -> dict:
     if rank == 0:
         plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"))
     return row
+
+
+def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
+    """Where teacher rows come from: the cache (offline) or the teacher run in memory (online)."""
+    if cfg.cache:
+        return TopKCache(cfg.cache)
+    temperatures = [cfg.temperature] if cfg.temperature != 1.0 and cfg.tail == "bucket" else []
+    return OnlineTeacher(load_teacher(cfg.teacher, device=device), cfg.data, cfg.seq_len, cfg.online_k,
+                         temperatures, cfg.text_field)
 
 
 def save_final(module: KDStudent, student, path: str) -> None:

@@ -27,9 +27,10 @@ class Student:
     tokenizer: object
 
 
-def load_student(cfg, cache: TopKCache) -> Student:
+def load_student(cfg, source: TopKCache) -> Student:
+    """The student of cfg, checked against the source's teacher (a TopKCache or an OnlineTeacher)."""
     if cfg.init_from_teacher:
-        teacher = load_teacher(cache.fingerprint["teacher"])
+        teacher = getattr(source, "teacher", None) or load_teacher(source.fingerprint["teacher"])
         model, tokenizer = cut_layers(teacher.model, cfg.layers), teacher.tokenizer
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,7 +43,7 @@ def load_student(cfg, cache: TopKCache) -> Student:
         except (OSError, ValueError) as e:
             raise ValueError(f"student {cfg.student!r} has no usable tokenizer ({str(e).splitlines()[0]}); save the "
                              "teacher's tokenizer into that directory (tokenizer.save_pretrained)") from e
-    cache.check_student(vocab_size=model.get_output_embeddings().weight.shape[0], tokenizer=tokenizer)
+    source.check_student(vocab_size=model.get_output_embeddings().weight.shape[0], tokenizer=tokenizer)
     model.config.use_cache = False
     return Student(model=model.float().train(), tokenizer=tokenizer)
 

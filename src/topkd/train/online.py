@@ -1,0 +1,72 @@
+"""Online distillation: the teacher runs in memory for every sequence instead of being read from a cache.
+
+    source = OnlineTeacher(load_teacher("teacher_dir"), ["a.txt"], seq_len=512, k=0)   # k=0: full vocabulary
+    SampleStream(source, 512, seed=0)     # the same stream, student and loss as offline training
+
+This is the paper's "online" row, and lets a user check offline against online on their own
+data. Sequences are packed exactly as `topkd cache build` packs them (same files, --seq-len and
+separator give the same sequences and the same sample order), and the teacher sees the same
+per-document context, so with k equal to the cache's K the only difference from offline
+training is the cache's log-prob quantisation. k=0 keeps the full distribution: teacher ids
+0..V-1 on every row, which costs [tokens, V] memory, as online KD does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from topkd.cache.data import iter_documents, pack_sequences, position_ids
+from topkd.cache.reader import check_student_fits
+from topkd.cache.teacher import Teacher, tokenizer_hash
+
+
+class OnlineTeacher:
+    """A sequence source (like TopKCache) whose teacher rows are computed when a sequence is read."""
+
+    def __init__(self, teacher: Teacher, data: list[str], seq_len: int, k: int, temperatures: list[float],
+                 text_field: str = "text"):
+        if not 0 <= k <= teacher.vocab:
+            raise ValueError(f"online_k: expected 0 (full vocabulary) or 1..{teacher.vocab}, got {k}")
+        self.teacher, self.seq_len, self.k, self.temperatures = teacher, seq_len, k, list(temperatures)
+        self.separator = teacher.tokenizer.eos_token_id
+        self.vocab_size = teacher.vocab
+        documents = iter_documents(data, teacher.tokenizer, text_field)
+        self.sequences = list(pack_sequences(documents, seq_len, self.separator))
+        if not self.sequences:
+            raise ValueError(f"data: expected text to train on, got no tokens from {data}")
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def sequence_lengths(self) -> list[int]:
+        return [len(s.tokens) for s in self.sequences]
+
+    def check_student(self, vocab_size: int, tokenizer=None) -> None:
+        check_student_fits(self.vocab_size, tokenizer_hash(self.teacher.tokenizer), vocab_size, tokenizer)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        seq = self.sequences[i]
+        ids = torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64))[None].to(self.teacher.model.device)
+        pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(ids.device)
+        temps = tuple(self.temperatures)
+        rows = self.teacher.topk_rows(ids, self.k, temps, pos) if self.k else self._full_rows(ids, pos, temps)
+        doc_start = torch.zeros(len(seq.tokens), dtype=torch.bool)
+        doc_start[torch.from_numpy(seq.doc_starts)] = True
+        return {"input_ids": ids[0].cpu(), "teacher_ids": torch.as_tensor(rows["ids"]),
+                "teacher_logprobs": torch.as_tensor(rows["logprobs"]), "logz": torch.as_tensor(rows["logz"]),
+                "doc_start": doc_start}
+
+    @torch.no_grad()  # not inference_mode: these rows go into the autograd graph of the student's loss
+    def _full_rows(self, ids: torch.Tensor, pos: torch.Tensor, temps: tuple[float, ...]) -> dict[str, torch.Tensor]:
+        """log softmax over the whole vocabulary; c_T = logsumexp(log p / T) per temperature."""
+        h = self.teacher.hidden_states(ids, pos)[0].float()
+        weight, bias = self.teacher.head_fp32
+        z = torch.nn.functional.linear(h, weight, bias)
+        softcap = getattr(self.teacher.model.config, "final_logit_softcapping", None)
+        if softcap:
+            z = torch.tanh(z / softcap) * softcap
+        logprobs = torch.log_softmax(z, dim=-1)
+        logz = torch.stack([torch.logsumexp(logprobs / t, dim=-1) for t in temps], 1) if temps else \
+            torch.zeros(len(z), 0)
+        all_ids = torch.arange(self.vocab_size, dtype=torch.int32).expand(len(z), -1)
+        return {"ids": all_ids.cpu().clone(), "logprobs": logprobs.cpu(), "logz": logz.cpu()}
