@@ -6,6 +6,7 @@
     topkd train --cache runs/cache --init-from-teacher --layers 6 --out runs/student --steps 500
     topkd bench loss [--lengths 1024,4096] [--vocab 32768] [--hidden 512] [--out DIR]
     topkd bench cache --teacher MODEL --data corpus.txt   # bytes/token, decode KL, build overhead
+    topkd bench train [--lengths 4096,16384,32768]         # training step memory/time per impl, cache loading
 
 Every subcommand is also a Python function (topkd.cache.build, topkd.cache.inspect, ...).
 """
@@ -17,6 +18,7 @@ from dataclasses import fields
 
 from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_bench
 from topkd.bench.loss import LossBenchConfig, run_loss_bench
+from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
 from topkd.cache.inspect import inspect_cache, verify_cache
 from topkd.cache.manifest import CacheError
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(loss, LossBenchConfig, BENCH_HELP)
     cache_bench = bench_sub.add_parser("cache", help="cache bytes/token, decode fidelity, build overhead")
     add_dataclass_flags(cache_bench, CacheBenchConfig, CACHE_BENCH_HELP)
+    train_bench = bench_sub.add_parser("train", help="training step memory and time per loss impl; cache loading")
+    add_dataclass_flags(train_bench, TrainBenchConfig, TRAIN_BENCH_HELP)
     return parser
 
 
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             run_loss_bench(_config(LossBenchConfig, args))
         elif args.command == "bench" and args.bench == "cache":
             run_cache_bench(_config(CacheBenchConfig, args))
+        elif args.command == "bench" and args.bench == "train":
+            run_train_bench(_config(TrainBenchConfig, args))
         elif args.command == "train":
             from topkd.train import train
 

@@ -1,0 +1,212 @@
+"""`topkd bench train`: a whole training step (SmolLM2-shaped student) with each loss impl, and cache loading.
+
+    topkd bench train --lengths 4096,16384,32768 --out benchmarks/results/train-cpu
+
+Each measurement runs in a fresh process (topkd.bench.train_point): peak memory of one step
+per (impl, length) under an address-space cap (an allocation failure is recorded as OOM, and
+longer lengths of that impl are skipped); step times of all impls that fit, interleaved in
+one process per length; and a step whose batch is decoded from a real rice-zstd cache against
+the same step on a batch held in memory. Outputs: a table, the targets, train.json, train.csv,
+train.png (memory and time vs length), and a JSON last line.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from topkd.bench.stamp import stamp
+
+
+@dataclass
+class TrainBenchConfig:
+    lengths: list[int] = field(default_factory=lambda: [4096, 16384, 32768])
+    impls: list[str] = field(default_factory=lambda: ["fused", "chunked", "dense"])
+    layers: int = 2
+    repeats: int = 2
+    loading_tokens: int = 2048
+    loading_batch: int = 4
+    mem_limit_gib: float = 22.0
+    timeout_s: int = 3600
+    out: str = "benchmarks/results/train-cpu"
+
+
+TRAIN_BENCH_HELP = {
+    "lengths": "tokens per training sample (one sample per step)",
+    "impls": "loss implementations: fused, chunked, dense",
+    "layers": "decoder blocks of the SmolLM2-shaped student",
+    "repeats": "timed steps per impl and length (interleaved; the median is reported)",
+    "loading_tokens": "sample length of the cache-loading comparison",
+    "loading_batch": "samples per step of the cache-loading comparison",
+    "mem_limit_gib": "address-space cap per measurement process (the machine has 24 GiB)",
+    "timeout_s": "seconds before a measurement process is abandoned",
+    "out": "output directory (train.json, train.csv, train.png)",
+}
+
+
+def _point(cfg: TrainBenchConfig, *args: str) -> dict:
+    cmd = [sys.executable, "-m", "topkd.bench.train_point", "--layers", str(cfg.layers), "--repeats",
+           str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib), *args]
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "0"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    killed = proc.returncode < 0 or proc.returncode == 137
+    return {"status": "oom" if killed else "error", "error": proc.stderr.strip().splitlines()[-1:]}
+
+
+def measure(cfg: TrainBenchConfig) -> dict:
+    memory, times = [], []
+    bar = tqdm(total=len(cfg.lengths) * (len(cfg.impls) + 1) + 1, desc="bench train", unit="run")
+    for n in cfg.lengths:
+        for impl in cfg.impls:
+            if any(r["impl"] == impl and r["status"] == "oom" for r in memory):
+                row = {"status": "oom", "error": "skipped: OOM at a shorter length"}
+            else:
+                row = _point(cfg, "--phase", "memory", "--impls", impl, "--tokens", str(n))
+            memory.append({**row, "impl": impl, "tokens": n})
+            bar.update(1)
+        fits = [r["impl"] for r in memory if r["tokens"] == n and r["status"] == "ok"]
+        if fits:
+            times.append({**_point(cfg, "--phase", "time", "--impls", ",".join(fits), "--tokens", str(n)),
+                          "tokens": n})
+        bar.update(1)
+    loading = _point(cfg, "--phase", "loading", "--tokens", str(cfg.loading_tokens), "--batch",
+                     str(cfg.loading_batch))
+    bar.update(1)
+    bar.close()
+    return {"memory": memory, "time": times, "loading": loading}
+
+
+def rows_by_point(result: dict) -> list[dict]:
+    """One row per (impl, length): peak memory, median step time, ratios to fused."""
+    rows = []
+    for m in result["memory"]:
+        row = {"impl": m["impl"], "tokens": m["tokens"], "status": m["status"]}
+        if m["status"] == "ok":
+            row.update(process_peak_gib=m["process_peak_bytes"] / 2**30, step_peak_gib=m["step_peak_bytes"] / 2**30)
+            timed = next((t for t in result["time"] if t["tokens"] == m["tokens"] and t["status"] == "ok"), None)
+            if timed and m["impl"] in timed["median_s"]:
+                row["step_s"] = timed["median_s"][m["impl"]]
+                row["tokens_per_s"] = m["tokens"] / row["step_s"]
+        rows.append(row)
+    for r in rows:
+        f = next((x for x in rows if x["tokens"] == r["tokens"] and x["impl"] == "fused"), None)
+        if f and f["status"] == "ok" and r["status"] == "ok":
+            r["mem_vs_fused"] = r["process_peak_gib"] / f["process_peak_gib"]
+            if "step_s" in r and "step_s" in f:
+                r["time_vs_fused"] = r["step_s"] / f["step_s"]
+    return rows
+
+
+def check_targets(rows: list[dict], loading: dict) -> list[dict]:
+    by = {(r["impl"], r["tokens"]): r for r in rows}
+    out = []
+    for n in sorted({r["tokens"] for r in rows if r["tokens"] >= 16384}):
+        if by.get(("fused", n), {}).get("status") != "ok":
+            continue
+        dense, chunked = by.get(("dense", n)), by.get(("chunked", n))
+        if dense:
+            oom = dense["status"] == "oom"
+            out.append(_target("dense peak >= 5 x fused peak (process)", n, dense.get("mem_vs_fused"), 5.0,
+                               oom or dense.get("mem_vs_fused", 0) >= 5.0, "dense OOM" if oom else ""))
+        if chunked and "time_vs_fused" in chunked:
+            out.append(_target("fused step no slower than chunked", n, chunked["time_vs_fused"], 1.0,
+                               chunked["time_vs_fused"] >= 1.0))
+    dense_oom = [r["tokens"] for r in rows if r["impl"] == "dense" and r["status"] == "oom"
+                 and by.get(("fused", r["tokens"]), {}).get("status") == "ok"]
+    if dense_oom:
+        out.append(_target("dense OOM while fused trains", min(dense_oom), None, 0.0, True, f"at {min(dense_oom)}"))
+    if loading.get("status") == "ok":
+        out.append(_target("cache step / in-memory step <= 1.03", loading["tokens"] * loading["batch"],
+                           loading["cached_over_in_memory"], 1.03, loading["cached_over_in_memory"] <= 1.03))
+    return out
+
+
+def _target(name, n, value, limit, ok, note=""):
+    return {"target": name, "tokens": n, "value": value, "limit": limit, "pass": bool(ok), "note": note}
+
+
+def table(rows: list[dict], targets: list[dict]) -> str:
+    head = f"{'impl':<8} {'tokens':>7} {'peak GiB':>9} {'step GiB':>9} {'step s':>8} {'tok/s':>7} " \
+           f"{'mem/fused':>9} {'time/fused':>10}"
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["impl"])):
+        if r["status"] != "ok":
+            lines.append(f"{r['impl']:<8} {r['tokens']:>7} {r['status'].upper():>9}")
+            continue
+        nan = float("nan")
+        lines.append(f"{r['impl']:<8} {r['tokens']:>7} {r['process_peak_gib']:>9.2f} {r['step_peak_gib']:>9.2f} "
+                     f"{r.get('step_s', nan):>8.1f} {r.get('tokens_per_s', nan):>7.0f} "
+                     f"{r.get('mem_vs_fused', nan):>9.2f} {r.get('time_vs_fused', nan):>10.3f}")
+    for t in targets:
+        value = t["note"] if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']:<40} {t['tokens']:>7}  {value:>10}  "
+                     f"(limit {t['limit']:.2f})")
+    return "\n".join(lines)
+
+
+def write_outputs(cfg: TrainBenchConfig, result: dict, rows: list[dict], targets: list[dict], meta: dict) -> None:
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "train.json"), "w") as f:
+        json.dump({"bench": "train", "config": asdict(cfg), "stamp": meta, "points": rows, "raw": result,
+                   "targets": targets}, f, indent=1)
+    keys = sorted({k for r in rows for k in r} | set(meta))
+    with open(os.path.join(cfg.out, "train.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows({**meta, **r} for r in rows)
+    plot(cfg, rows, meta, os.path.join(cfg.out, "train.png"))
+
+
+def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for impl in cfg.impls:
+        ok = sorted((r for r in rows if r["impl"] == impl and r["status"] == "ok"), key=lambda r: r["tokens"])
+        ax_mem.plot([r["tokens"] for r in ok], [r["process_peak_gib"] for r in ok], "o-", label=impl)
+        timed = [r for r in ok if "step_s" in r]
+        ax_time.plot([r["tokens"] for r in timed], [r["step_s"] for r in timed], "o-", label=impl)
+        for r in rows:
+            if r["impl"] == impl and r["status"] == "oom":
+                ax_mem.plot([r["tokens"]], [cfg.mem_limit_gib], "x", color="grey")
+    ax_mem.axhline(cfg.mem_limit_gib, color="grey", ls=":", lw=0.8)
+    for ax, ylabel in ((ax_mem, "peak process memory (GiB); x: OOM"), (ax_time, "training step (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"training step, SmolLM2-shaped student ({cfg.layers} layers, V=49,152), {meta['machine']} "
+                 f"({meta['commit']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_train_bench(cfg: TrainBenchConfig) -> dict:
+    meta = stamp("cpu")
+    result = measure(cfg)
+    rows = rows_by_point(result)
+    loading = {**result["loading"], "tokens": cfg.loading_tokens, "batch": cfg.loading_batch}
+    targets = check_targets(rows, loading)
+    print(table(rows, targets))
+    write_outputs(cfg, result, rows, targets, meta)
+    summary = {"bench": "train", "out": cfg.out, "commit": meta["commit"], "points": rows, "loading": loading,
+               "targets": targets}
+    print(json.dumps(summary))
+    return summary

@@ -1,0 +1,187 @@
+"""One training-step measurement, meant to run in a fresh process; prints one JSON line.
+
+    python -m topkd.bench.train_point --phase memory --impls dense --tokens 16384
+    python -m topkd.bench.train_point --phase time --impls fused,chunked --tokens 16384 --repeats 2
+    python -m topkd.bench.train_point --phase loading --tokens 2048 --batch 4
+
+The student is SmolLM2-135M-shaped (H=576, 9 query / 3 KV heads, MLP 1536, V=49,152, tied
+embeddings), randomly initialised with --layers blocks, and every step is
+topkd.train.loop.train_step itself (forward, fused/chunked/dense KD loss, backward, clipping,
+AdamW). Teacher rows are synthetic top-100 rows. A 64-token step runs first (thread pools,
+optimizer state), then:
+  memory:  one step; peak RSS of the process, and its rise above the RSS before the step
+  time:    --repeats rounds of one step per impl, interleaved so all see the same machine
+  loading: a rice-zstd cache of the same rows is written to a temp dir; rounds of (a step whose
+           batch is decoded from the cache, a step on the same batch held in memory)
+An allocation failure is a result ("oom"): the address space is capped with RLIMIT_AS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import topkd
+from topkd.bench.point import PeakMemory, _status_kib, teacher_rows
+from topkd.train.batches import SampleStream
+from topkd.train.config import TrainConfig
+from topkd.train.loop import train_step
+from topkd.train.student import KDStudent
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+               num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
+K = 100
+
+
+class HeldBatch:
+    """A stream that always returns the same batch: the in-memory side of the loading comparison."""
+
+    def __init__(self, batch: dict):
+        self.held = batch
+
+    def batch(self, first_sample: int, size: int) -> dict:
+        return self.held
+
+
+def make_student(layers: int, max_len: int, impl: str) -> tuple[KDStudent, torch.optim.Optimizer]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max_len, **SMOLLM2))
+    model.config.use_cache = False
+    options = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl=impl)
+    module = KDStudent(model.train(), SMOLLM2["vocab_size"], options)
+    return module, torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+
+def synthetic_batch(rows: int, size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`size` samples of `rows` tokens, one document each, with synthetic teacher top-K rows."""
+    ids, logprobs = teacher_rows(rows * size, SMOLLM2["vocab_size"], K, "cpu", seed)
+    tokens = torch.randint(0, SMOLLM2["vocab_size"], (size, rows), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": tokens, "position_ids": torch.arange(rows).expand(size, rows).contiguous(),
+            "teacher_ids": ids.view(size, rows, K), "teacher_logprobs": logprobs.view(size, rows, K),
+            "teacher_logz": torch.zeros(size, rows), "mask": torch.ones(size, rows, dtype=torch.bool),
+            "labels": torch.full((size, rows), -100)}
+
+
+def step(module, optimizer, stream, size: int, index: int = 0) -> float:
+    cfg = TrainConfig(batch_size=size, grad_accum=1, steps=10**6, warmup_steps=0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = {"step": 0, "samples": index * size}
+    return train_step(module, stream, optimizer, scheduler, cfg, state)["seconds"]
+
+
+def warm_up(module, optimizer) -> None:
+    step(module, optimizer, HeldBatch(synthetic_batch(64, 1, seed=9)), 1)
+    topkd.loss.release_workspace()
+
+
+def measure_memory(impl: str, tokens: int, layers: int) -> dict:
+    module, optimizer = make_student(layers, tokens, impl)
+    warm_up(module, optimizer)
+    batch = HeldBatch(synthetic_batch(tokens, 1))
+    memory = PeakMemory(torch.device("cpu"))
+    memory.reset()
+    seconds = step(module, optimizer, batch, 1)
+    return {"impl": impl, "step_peak_bytes": memory.peak(), "process_peak_bytes": _status_kib("VmHWM") * 1024,
+            "step_s": seconds}
+
+
+def measure_time(impls: list[str], tokens: int, layers: int, repeats: int) -> dict:
+    module, optimizer = make_student(layers, tokens, impls[0])
+    warm_up(module, optimizer)
+    batch = HeldBatch(synthetic_batch(tokens, 1))
+    times = {impl: [] for impl in impls}
+    for _ in range(repeats):
+        for impl in impls:
+            module.loss_options["impl"] = impl
+            times[impl].append(step(module, optimizer, batch, 1))
+    return {"times_s": times, "median_s": {impl: statistics.median(t) for impl, t in times.items()}}
+
+
+def measure_loading(tokens: int, size: int, layers: int, repeats: int) -> dict:
+    from topkd.cache import TopKCache
+
+    module, optimizer = make_student(layers, tokens, "fused")
+    warm_up(module, optimizer)
+    with tempfile.TemporaryDirectory() as root:
+        write_synthetic_cache(root, tokens, size * (repeats + 1))
+        stream = SampleStream(TopKCache(root), tokens, seed=0)
+        held = HeldBatch(stream.batch(0, size))
+        cached, in_memory, decode = [], [], []
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            stream.batch((r + 1) * size, size)  # decode alone, on samples not read before
+            decode.append(time.perf_counter() - t0)
+            stream._decoded = None  # nothing left decoded: the step below reads its batch from the shards
+            cached.append(step(module, optimizer, stream, size, index=r))
+            in_memory.append(step(module, optimizer, held, size))
+    return {"cached_step_s": cached, "in_memory_step_s": in_memory, "decode_batch_s": decode,
+            "cached_over_in_memory": statistics.median(cached) / statistics.median(in_memory)}
+
+
+def write_synthetic_cache(root: str, rows: int, n_seqs: int) -> None:
+    """A real rice-zstd cache (the build's writer) holding synthetic teacher rows."""
+    from topkd.cache import manifest as mf
+    from topkd.cache.shard import TeacherSequence, encode_shard, write_shard
+
+    os.makedirs(os.path.join(root, "shards"))
+    seqs = []
+    for i in range(n_seqs):
+        ids, logprobs = teacher_rows(rows, SMOLLM2["vocab_size"], K, "cpu", seed=100 + i)
+        lp = logprobs.numpy()
+        mass = np.logaddexp.reduce(lp, axis=1).astype(np.float32)
+        seqs.append(TeacherSequence(input_ids=np.random.default_rng(i).integers(0, SMOLLM2["vocab_size"], rows),
+                                    ids=ids.numpy(), logprobs=lp, log_mass=mass,
+                                    log_tail=np.log1p(-np.exp(mass)).astype(np.float32),
+                                    logz=np.zeros((rows, 0), np.float32), doc_starts=np.array([0]),
+                                    source_index=i, token_offset=i * rows))
+    arrays, meta = encode_shard(seqs, vocab=SMOLLM2["vocab_size"], codec_name="rice-zstd")
+    nbytes = write_shard(mf.shard_path(root, 0), arrays, meta)
+    side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, "synthetic")
+    fingerprint = {"teacher": "synthetic", "vocab_size": SMOLLM2["vocab_size"], "k": K, "temperatures": [],
+                   "tokenizer_sha256": "synthetic"}
+    mf.write_manifest(root, fingerprint, {"seq_len": rows, "codec": "rice-zstd", "separator": None}, [side])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", required=True, choices=["memory", "time", "loading"])
+    p.add_argument("--impls", default="fused", help="comma-separated: fused, chunked, dense")
+    p.add_argument("--tokens", type=int, required=True, help="tokens per sample")
+    p.add_argument("--batch", type=int, default=1, help="samples per step (loading phase)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--mem-limit-gib", type=float, default=0.0, help="address-space cap (0: none)")
+    a = p.parse_args(argv)
+    if a.mem_limit_gib > 0:
+        cap = int(a.mem_limit_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    impls = a.impls.split(",")
+    row = {"phase": a.phase, "impls": impls, "tokens": a.tokens, "layers": a.layers, "batch": a.batch}
+    try:
+        if a.phase == "memory":
+            row.update(measure_memory(impls[0], a.tokens, a.layers))
+        elif a.phase == "time":
+            row.update(measure_time(impls, a.tokens, a.layers, a.repeats))
+        else:
+            row.update(measure_loading(a.tokens, a.batch, a.layers, a.repeats))
+        row["status"] = "ok"
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        row.update(status="oom", error=str(e).splitlines()[0][:200])
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        row.update(status="oom", error=str(e).splitlines()[0][:200])
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
