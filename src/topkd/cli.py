@@ -4,6 +4,8 @@
     topkd cache verify runs/cache          # every checksum
     topkd cache inspect runs/cache         # fingerprint, totals, bytes/token, top-K mass histogram
     topkd train --cache runs/cache --init-from-teacher --layers 6 --out runs/student --steps 500
+    topkd eval --model runs/student/final --text held_out.txt --cache runs/heldout-cache --mmlu --limit 500
+    topkd demo [--quick]                   # the whole pipeline on SmolLM2 + Shakespeare, one output directory
     topkd bench loss [--lengths 1024,4096] [--vocab 32768] [--hidden 512] [--out DIR]
     topkd bench cache --teacher MODEL --data corpus.txt   # bytes/token, decode KL, build overhead
     topkd bench train [--lengths 4096,16384,32768]         # training step memory/time per impl, cache loading
@@ -22,6 +24,8 @@ from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_benc
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
 from topkd.cache.inspect import inspect_cache, verify_cache
 from topkd.cache.manifest import CacheError
+from topkd.demo import DEMO_HELP, DemoConfig
+from topkd.eval.run import EVAL_HELP, EvalConfig
 from topkd.train.config import TRAIN_HELP, TrainConfig
 
 BENCH_HELP = {
@@ -39,7 +43,7 @@ BENCH_HELP = {
     "no_huge_pages": "time without THP_MEM_ALLOC_ENABLE=1 (torch huge-page CPU allocator; memory never uses it)",
     "report_only": "re-print the table and targets of the run stored in --out, measuring nothing",
 }
-MANY_VALUES = {"data"}  # list flags that take space-separated values (shell globs); others are comma-separated
+MANY_VALUES = {"data", "text", "choices"}  # list flags that take space-separated values (shell globs); others are comma-separated
 
 
 def _list_of(kind):
@@ -78,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.add_argument("--plot", default="", help="also write the histogram as a PNG here")
     add_dataclass_flags(sub.add_parser("train", help="train a student against a top-K cache"), TrainConfig, TRAIN_HELP)
+    add_dataclass_flags(sub.add_parser("eval", help="score a model: text bits/byte, KL to a teacher cache, "
+                                                    "multiple choice"), EvalConfig, EVAL_HELP)
+    add_dataclass_flags(sub.add_parser("demo", help="the whole pipeline on SmolLM2 + Shakespeare, one directory"),
+                        DemoConfig, DEMO_HELP)
     bench = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     loss = bench_sub.add_parser("loss", help="projection-only KD loss: memory and time vs sequence length")
@@ -102,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
             run_cache_bench(_config(CacheBenchConfig, args))
         elif args.command == "bench" and args.bench == "train":
             run_train_bench(_config(TrainBenchConfig, args))
+        elif args.command == "demo":
+            from topkd.demo import run_demo
+
+            run_demo(_config(DemoConfig, args))
+        elif args.command == "eval":
+            from topkd.eval import run_eval
+
+            run_eval(_config(EvalConfig, args))
         elif args.command == "train":
             from topkd.train import train
 

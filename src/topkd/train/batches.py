@@ -36,7 +36,11 @@ class SampleStream:
         if epoch not in self._plans:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             samples, current, filled = [], [], 0
-            for i in torch.randperm(len(self.lengths), generator=g).tolist():
+            order = torch.randperm(len(self.lengths), generator=g).tolist()
+            full = max(self.lengths, default=0)
+            # short sequences (the end of the data) go last, so they cannot shift every later sample off the
+            # teacher's sequence boundaries: with --seq-len equal to the cache's, samples are whole sequences
+            for i in [i for i in order if self.lengths[i] == full] + [i for i in order if self.lengths[i] < full]:
                 pos = 0
                 while pos < self.lengths[i]:
                     take = min(self.seq_len - filled, self.lengths[i] - pos)

@@ -31,6 +31,7 @@ class TrainConfig:
     temperature: float = 1.0
     beta: float = 0.5
     ce_weight: float = 0.0
+    objective: str = "kd"
     impl: str = "fused"
     autocast_bf16: bool = False
     activation_checkpointing: bool = False
@@ -63,6 +64,8 @@ TRAIN_HELP = {
     "temperature": "distillation temperature (tempered bucket KD needs c_T stored in the cache)",
     "beta": "JSD mixing weight",
     "ce_weight": "weight of hard-label cross entropy on the next tokens",
+    "objective": "kd (distil from the teacher rows, + ce_weight x CE) | ce (hard-label CE only on the same tokens: "
+                 "the no-teacher baseline)",
     "impl": "loss implementation: fused | chunked | dense (for comparisons)",
     "autocast_bf16": "run the student body under bf16 autocast",
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
@@ -87,6 +90,8 @@ def check_config(cfg: TrainConfig) -> None:
                          f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}")
     if cfg.init_from_teacher and cfg.layers < 1:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
+    if cfg.objective not in ("kd", "ce"):
+        raise ValueError(f"objective: expected kd | ce, got {cfg.objective!r}")
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected cpu | cuda, got {cfg.device!r}")
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)

@@ -82,6 +82,11 @@ class KDStudent(nn.Module):
         weight = head.weight[: self.teacher_vocab]  # padded student rows: no mass, no gradient
         bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab]
         opts = self.loss_options
+        if opts.get("objective") == "ce":  # the no-teacher baseline: torch's fused linear + cross entropy
+            return torch.nn.functional.linear_cross_entropy(
+                hidden.float().reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1), linear_bias=bias,
+                reduction="sum", ignore_index=-100)
+        opts = {k: v for k, v in opts.items() if k != "objective"}
         logz = batch["teacher_logz"] if opts["temperature"] != 1.0 and opts["tail"] == "bucket" else None
         labels = batch["labels"] if opts["ce_weight"] else None
         return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"], batch["teacher_logprobs"],

