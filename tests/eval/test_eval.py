@@ -94,3 +94,25 @@ def test_nothing_to_evaluate_is_refused(teacher_dir):
         run_eval(EvalConfig(model=teacher_dir))
     with pytest.raises(ValueError, match="expected --model"):
         run_eval(EvalConfig(text=["x.txt"]))
+
+
+def test_lm_eval_bridge_hands_over_the_model_and_keeps_numeric_metrics(teacher_dir, monkeypatch):
+    import sys
+    import types
+
+    from topkd.eval import EvalConfig
+    from topkd.eval.run import run_lm_eval
+
+    calls = {}
+
+    def simple_evaluate(**kw):
+        calls.update(kw)
+        return {"results": {"boolq": {"alias": "boolq", "acc,none": 0.5, "acc_stderr,none": 0.1}}}
+
+    monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=simple_evaluate))
+    out = run_lm_eval(EvalConfig(model=teacher_dir, lm_eval=["boolq"], limit=8))
+    assert out == {"boolq": {"acc,none": 0.5, "acc_stderr,none": 0.1}}
+    assert calls["model"] == "hf" and calls["model_args"].startswith(f"pretrained={teacher_dir}")
+    assert calls["tasks"] == ["boolq"] and calls["limit"] == 8
+    with pytest.raises(ValueError, match="expected a Hugging Face model directory"):
+        run_lm_eval(EvalConfig(model="teacher.gguf", lm_eval=["boolq"]))

@@ -127,3 +127,16 @@ def test_resume_with_more_steps_follows_the_new_schedule(built_cache, tmp_path):
     fresh = [json.loads(line) for line in open(tmp_path / "long" / "metrics.jsonl")]
     assert [r["step"] for r in extended] == [1, 2, 3, 4]
     assert [r["lr"] for r in extended[2:]] == pytest.approx([r["lr"] for r in fresh[2:]])
+
+
+def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_path):
+    cache = TopKCache(built_cache)
+    batch = SampleStream(cache, 24, seed=0).batch(0, 2)
+    cfg = config(built_cache, tmp_path)
+    student = load_student(cfg, cache)
+    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    sliced = KDStudent(student.model, cache.vocab_size, {**opts, "top_k": 4})(batch)
+    narrow = {**batch, "teacher_ids": batch["teacher_ids"][..., :4], "teacher_logprobs": batch["teacher_logprobs"][..., :4]}
+    assert torch.equal(sliced, KDStudent(student.model, cache.vocab_size, opts)(narrow))
+    with pytest.raises(ValueError, match="at most the teacher rows' K=16"):
+        train(config(built_cache, tmp_path / "big", top_k=17))

@@ -31,6 +31,7 @@ class TrainBenchConfig:
     repeats: int = 2
     loading_tokens: int = 2048
     loading_batch: int = 4
+    loading_repeats: int = 4
     mem_limit_gib: float = 22.0
     timeout_s: int = 3600
     out: str = "benchmarks/results/train-cpu"
@@ -43,6 +44,7 @@ TRAIN_BENCH_HELP = {
     "repeats": "timed steps per impl and length (interleaved; the median is reported)",
     "loading_tokens": "sample length of the cache-loading comparison",
     "loading_batch": "samples per step of the cache-loading comparison",
+    "loading_repeats": "rounds of the cache-loading comparison (median)",
     "mem_limit_gib": "address-space cap per measurement process (the machine has 24 GiB)",
     "timeout_s": "seconds before a measurement process is abandoned",
     "out": "output directory (train.json, train.csv, train.png)",
@@ -81,7 +83,7 @@ def measure(cfg: TrainBenchConfig) -> dict:
                           "tokens": n})
         bar.update(1)
     loading = _point(cfg, "--phase", "loading", "--tokens", str(cfg.loading_tokens), "--batch",
-                     str(cfg.loading_batch))
+                     str(cfg.loading_batch), "--repeats", str(cfg.loading_repeats))
     bar.update(1)
     bar.close()
     return {"memory": memory, "time": times, "loading": loading}
@@ -190,7 +192,8 @@ def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None
         ax.set_xlabel("tokens per step")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(f"training step, SmolLM2-shaped student ({cfg.layers} layers, V=49,152), {meta['machine']} "
                  f"({meta['commit']})", fontsize=9)
     fig.tight_layout()

@@ -100,6 +100,9 @@ def mmlu_path() -> str:
 
 
 def run_lm_eval(cfg: EvalConfig) -> dict:
+    if not os.path.isdir(cfg.model):
+        raise ValueError(f"--lm-eval: expected a Hugging Face model directory, got {cfg.model!r}; save a GGUF "
+                         "model with save_pretrained first (topkd demo does this for its teacher)")
     try:
         import lm_eval
     except ImportError as e:

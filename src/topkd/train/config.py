@@ -12,6 +12,7 @@ class TrainConfig:
     teacher: str = ""
     data: list[str] = field(default_factory=list)
     online_k: int = 0
+    max_sequences: int = 0
     text_field: str = "text"
     out: str = ""
     student: str = ""
@@ -31,11 +32,13 @@ class TrainConfig:
     temperature: float = 1.0
     beta: float = 0.5
     ce_weight: float = 0.0
+    top_k: int = 0
     objective: str = "kd"
     impl: str = "fused"
     autocast_bf16: bool = False
     activation_checkpointing: bool = False
     checkpoint_every: int = 50
+    loader_workers: int = 1
     seed: int = 0
     device: str = "cpu"
 
@@ -45,6 +48,7 @@ TRAIN_HELP = {
     "teacher": "online mode instead of --cache: run this teacher (HF dir or .gguf) in memory on --data every step",
     "data": "online mode: text files (.txt, .jsonl, .npy), packed as `topkd cache build` packs them",
     "online_k": "online mode: top-K taken on the fly (0: full-vocabulary KD)",
+    "max_sequences": "online mode: use only the first this many packed sequences (as `cache build --max-sequences`)",
     "text_field": "online mode: JSONL field holding the text",
     "out": "run directory: checkpoints/, metrics.jsonl, loss.png, final/ (a rerun resumes from the last checkpoint)",
     "student": "student: a local Hugging Face model directory (or use --init-from-teacher)",
@@ -64,11 +68,14 @@ TRAIN_HELP = {
     "temperature": "distillation temperature (tempered bucket KD needs c_T stored in the cache)",
     "beta": "JSD mixing weight",
     "ce_weight": "weight of hard-label cross entropy on the next tokens",
+    "top_k": "distil from only the first N of the cache's top-K (its N most likely tokens; 0: all K)",
     "objective": "kd (distil from the teacher rows, + ce_weight x CE) | ce (hard-label CE only on the same tokens: "
                  "the no-teacher baseline)",
     "impl": "loss implementation: fused | chunked | dense (for comparisons)",
     "autocast_bf16": "run the student body under bf16 autocast",
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
+    "loader_workers": "processes decoding the cache ahead of training (0: decode in the training process; "
+                      "online mode always computes teacher rows in the training process)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
     "seed": "seed for the data order and initialisation",
     "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK, one GPU per process)",
@@ -82,9 +89,10 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.teacher and (not cfg.data or cfg.seq_len < 2):
         raise ValueError(f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
                          f"seq_len={cfg.seq_len}")
-    if cfg.cache and (cfg.data or cfg.online_k):
-        raise ValueError(f"--data and --online-k belong to online mode (--teacher); with --cache the data is the "
-                         f"cache's, got data={cfg.data} online_k={cfg.online_k}")
+    if cfg.cache and (cfg.data or cfg.online_k or cfg.max_sequences):
+        raise ValueError(f"--data, --online-k and --max-sequences belong to online mode (--teacher); with --cache "
+                         f"the data is the cache's, got data={cfg.data} online_k={cfg.online_k} "
+                         f"max_sequences={cfg.max_sequences}")
     if bool(cfg.student) == cfg.init_from_teacher:
         raise ValueError("expected exactly one of --student DIR or --init-from-teacher, got "
                          f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}")
@@ -95,7 +103,8 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected cpu | cuda, got {cfg.device!r}")
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
-    require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k"), 0)
+    require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k", "top_k",
+                       "max_sequences", "loader_workers"), 0)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
         raise ValueError(f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
                          f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}")

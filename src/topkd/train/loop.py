@@ -41,11 +41,13 @@ def train(cfg: TrainConfig) -> dict:
     device = dist.local_device(cfg.device)
     torch.manual_seed(cfg.seed)
     source = open_source(cfg, device)
+    check_top_k(cfg.top_k, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
     stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, cfg.temperature, cfg.tail))
     options = dict(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
-                   ce_weight=cfg.ce_weight, impl=cfg.impl, objective=cfg.objective)
+                   ce_weight=cfg.ce_weight, impl=cfg.impl, objective=cfg.objective,
+                   top_k=cfg.top_k)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing)
     shard_student(module)
     optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
@@ -63,8 +65,9 @@ def train(cfg: TrainConfig) -> dict:
     row = {}
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="train" + (" (resumed)" if resumed else ""), unit="step",
                disable=None if rank == 0 else True)
+    steps = step_loader(stream, cfg, state, workers=0 if cfg.teacher else cfg.loader_workers)
     while state["step"] < cfg.steps:
-        row = train_step(module, stream, optimizer, scheduler, cfg, state)
+        row = train_step(module, stream, optimizer, scheduler, cfg, state, micro=next(steps))
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -86,7 +89,17 @@ def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
         return TopKCache(cfg.cache)
     temperatures = [cfg.temperature] if cfg.temperature != 1.0 and cfg.tail == "bucket" else []
     return OnlineTeacher(load_teacher(cfg.teacher, device=device), cfg.data, cfg.seq_len, cfg.online_k,
-                         temperatures, cfg.text_field)
+                         temperatures, cfg.text_field, cfg.max_sequences)
+
+
+def check_top_k(top_k: int, source) -> None:
+    """--top-k takes the first N columns, which are the teacher's N most likely tokens only in rank-ordered rows."""
+    if top_k and not getattr(source, "k", 0):
+        raise ValueError(f"top_k={top_k}: expected rank-ordered teacher rows (a cache, or --online-k), got "
+                         "full-vocabulary online rows; use --online-k instead")
+    if top_k > getattr(source, "k", 0):
+        raise ValueError(f"top_k: expected at most the teacher rows' K={source.k}, got {top_k}; build the cache "
+                         "with a larger --k")
 
 
 def save_final(module: KDStudent, student, path: str) -> None:
@@ -99,17 +112,47 @@ def save_final(module: KDStudent, student, path: str) -> None:
     dist.barrier()
 
 
-def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig, state: dict) -> dict:
-    """One optimizer step: grad_accum micro-batches per rank, normalised by the global batch's counted tokens.
+class _StepBatches(torch.utils.data.Dataset):
+    """Item i: this rank's micro-batches of the i-th remaining step (a pure function of the sample index)."""
 
-    Micro-batch m of rank r holds samples (m * world + r) * batch_size onwards, so N ranks with
-    --batch-size b see exactly the samples one process with --batch-size N*b would."""
+    def __init__(self, stream: SampleStream, cfg: TrainConfig, first_sample: int, steps: int):
+        self.stream, self.cfg, self.first_sample, self.steps = stream, cfg, first_sample, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> list[dict[str, torch.Tensor]]:
+        per_step = self.cfg.batch_size * self.cfg.grad_accum * dist.world()
+        return step_batches(self.stream, self.cfg, self.first_sample + i * per_step)
+
+
+def step_loader(stream: SampleStream, cfg: TrainConfig, state: dict, workers: int):
+    """Micro-batch lists for every remaining step; with workers, decoded ahead in forked processes."""
+    data = _StepBatches(stream, cfg, state["samples"], cfg.steps - state["step"])
+    if workers == 0:
+        return (data[i] for i in range(len(data)))
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=2,
+                                         multiprocessing_context="fork")
+    return iter(loader)
+
+
+def step_batches(stream: SampleStream, cfg: TrainConfig, first_sample: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of the step starting at first_sample. Micro-batch m of rank r holds
+    samples (m * world + r) * batch_size onwards, so N ranks with --batch-size b see exactly the
+    samples one process with --batch-size N*b would."""
+    world, rank, size = dist.world(), dist.rank(), cfg.batch_size
+    return [stream.batch(first_sample + (m * world + rank) * size, size) for m in range(cfg.grad_accum)]
+
+
+def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig, state: dict,
+               micro: list[dict] | None = None) -> dict:
+    """One optimizer step: grad_accum micro-batches per rank, normalised by the global batch's counted tokens.
+    micro: the step's batches when already loaded (step_loader); otherwise read from the stream here."""
     start = time.perf_counter()
-    world, rank, size = max(1, dist.world()), dist.rank(), cfg.batch_size
+    world, rank, size = dist.world(), dist.rank(), cfg.batch_size
     torch.manual_seed(cfg.seed * 1_000_003 + state["step"] * world + rank)  # dropout etc.: resume needs no RNG state
     device = next(module.parameters()).device
-    micro = [_to(stream.batch(state["samples"] + (m * world + rank) * size, size), device)
-             for m in range(cfg.grad_accum)]
+    micro = [_to(b, device) for b in (micro or step_batches(stream, cfg, state["samples"]))]
     tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
     total = 0.0

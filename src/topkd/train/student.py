@@ -86,8 +86,10 @@ class KDStudent(nn.Module):
             return torch.nn.functional.linear_cross_entropy(
                 hidden.float().reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1), linear_bias=bias,
                 reduction="sum", ignore_index=-100)
-        opts = {k: v for k, v in opts.items() if k != "objective"}
+        top_k = opts.get("top_k") or None  # rows are in rank order: the first N are the teacher's top-N
+        opts = {k: v for k, v in opts.items() if k not in ("objective", "top_k")}
         logz = batch["teacher_logz"] if opts["temperature"] != 1.0 and opts["tail"] == "bucket" else None
         labels = batch["labels"] if opts["ce_weight"] else None
-        return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"], batch["teacher_logprobs"],
+        return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"][..., :top_k],
+                               batch["teacher_logprobs"][..., :top_k],
                                mask=batch["mask"], teacher_logz=logz, labels=labels, bias=bias, reduction="sum", **opts)

@@ -1,0 +1,159 @@
+"""Small-scale experiments on SmolLM2 + Shakespeare: online vs offline, impls, tail x K, divergences.
+
+    python benchmarks/experiments.py --demo runs/demo --which fourway,tail_k,divergence \
+        --out benchmarks/results/experiments
+
+Reuses what `topkd demo` built in --demo (teacher directory, top-100 cache of the plays, held-out
+Hamlet cache, the untrained 4-layer student). Every run is a fresh `topkd train` process from
+the same student, data, seed and steps (so its peak memory is its own), then scored on held-out
+Hamlet: KL(teacher || student) (bucket, and renormalised on the top-K), top-1 agreement, bits
+per byte. Writes experiments.json, report.txt and one loss-curve plot per experiment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from topkd.bench.stamp import stamp
+from topkd.demo import default_texts, split_texts
+from topkd.eval.run import EvalConfig, run_eval
+
+EXPERIMENTS = {
+    "fourway": {"online-full": ["--online-k", "0"], "offline-dense": ["--impl", "dense"],
+                "offline-chunked": ["--impl", "chunked"], "offline-fused": ["--impl", "fused"]},
+    "tail_k": {f"k{k}-{tail}": ["--top-k", str(k), "--tail", tail] for k in (1, 8, 32, 100)
+               for tail in ("bucket", "renorm")},
+    "divergence": {d: ["--divergence", d] for d in ("kl", "reverse_kl", "jsd", "tvd")},
+}
+
+
+def train_run(args, name: str, flags: list[str]) -> str:
+    out = os.path.join(args.out, "runs", name)
+    if os.path.exists(os.path.join(out, "final", "config.json")):
+        return out
+    plays, _ = split_texts(args.texts or default_texts())
+    data = ["--teacher", os.path.join(args.demo, "teacher"), "--data", *plays, "--max-sequences",
+            str(args.sequences), "--seq-len", str(args.seq_len)] if "--online-k" in flags else \
+        ["--cache", os.path.join(args.demo, "cache")]
+    cmd = [sys.executable, "-m", "topkd.cli", "train", *data, "--student", os.path.join(args.demo, "student-init"),
+           "--out", out, "--steps", str(args.steps), "--batch-size", "4", "--lr", "5e-4", "--warmup-steps", "8",
+           "--checkpoint-every", "0", *flags]
+    print("==", name, " ".join(flags), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def score(args, name: str, run_dir: str) -> dict:
+    path = os.path.join(run_dir, "eval.json")
+    if not os.path.exists(path):
+        _, hamlet = split_texts(args.texts or default_texts())
+        run_eval(EvalConfig(model=os.path.join(run_dir, "final"), name=name, text=[hamlet], seq_len=args.seq_len,
+                            max_tokens=args.heldout_tokens, cache=os.path.join(args.demo, "heldout-cache"), out=path))
+    result = json.load(open(path))["result"]
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    params = _params(os.path.join(run_dir, "final"))
+    step_s = statistics.median(r["seconds"] for r in rows[1:] or rows)
+    tokens = statistics.median(r["tokens"] for r in rows)
+    return {"name": name, "kl_bucket": result["vs_teacher"]["kl_bucket"], "kl_renorm": result["vs_teacher"]["kl_renorm"],
+            "top1": result["vs_teacher"]["top1_agreement"], "bits_per_byte": result["text"]["bits_per_byte"],
+            "peak_gib": max(r["peak_gib"] for r in rows), "step_s": step_s,
+            "gflops": 6 * params * tokens / step_s / 1e9, "final_loss": rows[-1]["loss"],
+            "curve": [r["loss"] for r in rows]}
+
+
+def _params(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        return sum(_prod(f.get_slice(k).get_shape()) for k in f.keys() if k != "lm_head.weight")  # tied head
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'run':<18}{'KL bucket':>10}{'KL renorm':>10}{'top-1':>7}{'bits/B':>8}{'peak GiB':>9}{'step s':>8}" \
+           f"{'GFLOP/s':>8}{'loss':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['name']:<18}{r['kl_bucket']:>10.4f}{r['kl_renorm']:>10.4f}{r['top1']:>7.3f}"
+                     f"{r['bits_per_byte']:>8.4f}{r['peak_gib']:>9.2f}{r['step_s']:>8.2f}{r['gflops']:>8.1f}"
+                     f"{r['final_loss']:>8.4f}")
+    return "\n".join(lines)
+
+
+def fourway_claims(rows: list[dict]) -> list[str]:
+    by = {r["name"]: r for r in rows}
+    online, fused = by["online-full"], by["offline-fused"]
+    gap = abs(fused["kl_bucket"] - online["kl_bucket"]) / online["kl_bucket"]
+    offline = [by[n] for n in ("offline-dense", "offline-chunked", "offline-fused")]
+    return [f"{'PASS' if gap <= 0.02 else 'FAIL'}  offline top-100 held-out KL within 2% of online: {gap:.2%}",
+            f"{'PASS' if fused['peak_gib'] == min(r['peak_gib'] for r in offline) else 'FAIL'}  fused has the "
+            f"lowest peak memory of the offline impls ({fused['peak_gib']:.2f} GiB)",
+            f"{'PASS' if fused['step_s'] < max(r['step_s'] for r in offline) else 'FAIL'}  fused is not the slowest "
+            f"offline impl ({fused['step_s']:.2f} s/step)"]
+
+
+def plot(rows: list[dict], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in rows:
+        ax.plot(range(1, len(r["curve"]) + 1), r["curve"], label=f"{r['name']} (KL {r['kl_bucket']:.3f})", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss per counted token")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--demo", default="runs/demo", help="a finished `topkd demo` directory")
+    p.add_argument("--which", default="fourway,tail_k,divergence")
+    p.add_argument("--out", default="benchmarks/results/experiments")
+    p.add_argument("--texts", default="")
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--sequences", type=int, default=256, help="the demo cache's sequence count (online runs)")
+    p.add_argument("--heldout-tokens", type=int, default=8192)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results, lines = {"stamp": stamp("cpu"), "args": vars(args)}, []
+    for which in args.which.split(","):
+        shared = {"kl": "offline-fused", "k100-bucket": "offline-fused"}  # the same run under another name
+        rows = []
+        for name, flags in EXPERIMENTS[which].items():
+            run = train_run(args, shared.get(name, name), flags if name not in shared else
+                            EXPERIMENTS["fourway"]["offline-fused"])
+            rows.append({**score(args, name, run), "flags": flags})
+        results[which] = rows
+        lines += [f"## {which}", table(rows)] + (fourway_claims(rows) if which == "fourway" else []) + [""]
+        plot(rows, f"{which}: SmolLM2-135M -> 4 layers, Shakespeare, {args.steps} steps", os.path.join(
+            args.out, f"{which}.png"))
+    s = results["stamp"]
+    text = f"stamp: {s['machine']}, torch {s['torch']}, commit {s['commit']}, {s['date']}\n\n" + "\n".join(lines)
+    print(text)
+    with open(os.path.join(args.out, "report.txt"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "experiments.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
