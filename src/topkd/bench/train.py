@@ -167,7 +167,8 @@ def write_outputs(cfg: TrainBenchConfig, result: dict, rows: list[dict], targets
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows({**meta, **r} for r in rows)
-    plot(cfg, rows, meta, os.path.join(cfg.out, "train.png"))
+    if rows:  # a loading-only run has no memory or time points to draw
+        plot(cfg, rows, meta, os.path.join(cfg.out, "train.png"))
 
 
 def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None:
