@@ -1,6 +1,6 @@
 """`topkd demo`: the whole pipeline on one machine, into one directory (make demo runs it).
 
-    topkd demo                  # ~10 min on 2 CPU cores: SmolLM2-135M-Instruct -> 4-layer student on Shakespeare
+    topkd demo                  # ~12 min on 2 CPU cores: SmolLM2-135M-Instruct -> 4-layer student on Shakespeare
     topkd demo --quick          # ~2 min: the same steps on a few thousand tokens
 
 Steps, each skipped when its output exists (so a rerun resumes): the teacher GGUF (inside the
@@ -57,7 +57,7 @@ def sizes(cfg: DemoConfig) -> dict:
     """Token budgets: the full demo fits 15 minutes on 2 CPU cores, --quick about 2."""
     if cfg.quick:
         return {"train_seqs": 16, "heldout_seqs": 4, "steps": 12, "batch_size": 2, "warmup": 2}
-    return {"train_seqs": 256, "heldout_seqs": 32, "steps": 96, "batch_size": 4, "warmup": 8}
+    return {"train_seqs": 192, "heldout_seqs": 32, "steps": 80, "batch_size": 4, "warmup": 8}
 
 
 def run_demo(cfg: DemoConfig) -> dict:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
+from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.point import KD_IMPLS, PEERS
 from topkd.bench.stamp import stamp
 from topkd.loss.fused import DEFAULT_CHUNK_BYTES
@@ -65,16 +65,7 @@ def _run_phase(cfg: LossBenchConfig, impl: str, tokens: int, phase: str, huge_pa
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     if huge_pages:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "tokens": tokens, "status": "timeout"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    killed = proc.returncode < 0 or proc.returncode == 137
-    status = "oom" if killed else "error"
-    return {"impl": impl, "tokens": tokens, "status": status, "error": proc.stderr.strip().splitlines()[-1:]}
+    return {"impl": impl, "tokens": tokens, **run_json_process(cmd, cfg.timeout_s, env)}
 
 
 def add_ratios(rows: list[dict], chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
@@ -169,33 +160,14 @@ def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
 
 
 def plot(rows: list[dict], cfg: LossBenchConfig, meta: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series, oom = {}, {}
     for impl in cfg.impls:
         ok = sorted((r for r in rows if r["impl"] == impl and r["status"] == "ok"), key=lambda r: r["tokens"])
-        if ok:
-            ax_mem.plot([r["tokens"] for r in ok], [r["peak_bytes"] / 2**30 for r in ok], "o-", label=impl)
-            ax_time.plot([r["tokens"] for r in ok], [r["time_s"] for r in ok], "o-", label=impl)
-        for r in rows:
-            if r["impl"] == impl and r["status"] == "oom":
-                ax_mem.axvline(r["tokens"], color="grey", ls=":", lw=0.8)
-    for ax, ylabel in ((ax_mem, "peak memory (GiB)"), (ax_time, "forward+backward (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    if ax_mem.get_legend_handles_labels()[0]:
-        ax_mem.legend(fontsize=8)
-    fig.suptitle(f"KD loss, V={cfg.vocab} H={cfg.hidden} K={cfg.k} {cfg.dtype} on {meta['machine']} "
-                 f"({meta['commit']}); dotted: OOM", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        series[impl] = ([r["tokens"] for r in ok], [r["peak_bytes"] / 2**30 for r in ok], [r["time_s"] for r in ok])
+        oom[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r["status"] == "oom"]
+    plot_vs_length(series, oom, ("peak memory (GiB)", "forward+backward (s)"),
+                   f"KD loss, V={cfg.vocab} H={cfg.hidden} K={cfg.k} {cfg.dtype} on {meta['machine']} "
+                   f"({meta['commit']}); dotted: OOM", path)
 
 
 def report(cfg: LossBenchConfig) -> dict:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
+from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.stamp import stamp
 
 
@@ -54,16 +54,7 @@ TRAIN_BENCH_HELP = {
 def _point(cfg: TrainBenchConfig, *args: str) -> dict:
     cmd = [sys.executable, "-m", "topkd.bench.train_point", "--layers", str(cfg.layers), "--repeats",
            str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib), *args]
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "0"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    killed = proc.returncode < 0 or proc.returncode == 137
-    return {"status": "oom" if killed else "error", "error": proc.stderr.strip().splitlines()[-1:]}
+    return run_json_process(cmd, cfg.timeout_s, {**os.environ, "THP_MEM_ALLOC_ENABLE": "0"})
 
 
 def measure(cfg: TrainBenchConfig) -> dict:
@@ -172,34 +163,15 @@ def write_outputs(cfg: TrainBenchConfig, result: dict, rows: list[dict], targets
 
 
 def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series, oom = {}, {}
     for impl in cfg.impls:
         ok = sorted((r for r in rows if r["impl"] == impl and r["status"] == "ok"), key=lambda r: r["tokens"])
-        ax_mem.plot([r["tokens"] for r in ok], [r["process_peak_gib"] for r in ok], "o-", label=impl)
         timed = [r for r in ok if "step_s" in r]
-        ax_time.plot([r["tokens"] for r in timed], [r["step_s"] for r in timed], "o-", label=impl)
-        for r in rows:
-            if r["impl"] == impl and r["status"] == "oom":
-                ax_mem.plot([r["tokens"]], [cfg.mem_limit_gib], "x", color="grey")
-    ax_mem.axhline(cfg.mem_limit_gib, color="grey", ls=":", lw=0.8)
-    for ax, ylabel in ((ax_mem, "peak process memory (GiB); x: OOM"), (ax_time, "training step (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens per step")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"training step, SmolLM2-shaped student ({cfg.layers} layers, V=49,152), {meta['machine']} "
-                 f"({meta['commit']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        series[impl] = ([r["tokens"] for r in ok], [r["process_peak_gib"] for r in ok], [r["step_s"] for r in timed])
+        oom[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r["status"] == "oom"]
+    plot_vs_length(series, oom, ("peak process memory (GiB); x: OOM", "training step (s)"),
+                   f"training step, SmolLM2-shaped student ({cfg.layers} layers, V=49,152), {meta['machine']} "
+                   f"({meta['commit']})", path, oom_level=cfg.mem_limit_gib)
 
 
 def run_train_bench(cfg: TrainBenchConfig) -> dict:
