@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from topkd.bench.stamp import stamp
 from topkd.cache import CacheBuildConfig, TopKCache, build
 from topkd.cache.teacher import load_teacher
 from topkd.demo_report import write_report
@@ -173,7 +174,7 @@ def make_report(cfg: DemoConfig, scores: dict, timings: dict) -> dict:
                        "tokens": sum(r["tokens"] for r in rows(name)), "curve": [r["loss"] for r in rows(name)]}
                 for name in ("student-kd", "student-ce")}
     cache = TopKCache(os.path.join(cfg.out, "cache"))
-    return {"config": asdict(cfg), "cache": {"bytes_per_token": cache.manifest["totals"]["bytes_per_token"],
+    return {"config": asdict(cfg), "stamp": stamp("cpu"), "cache": {"bytes_per_token": cache.manifest["totals"]["bytes_per_token"],
                                              "tokens": cache.tokens, "k": cache.k, "build_s": timings.get("cache")},
             "training": training, "models": scores,
             "timings_s": {k: v for k, v in timings.items() if not k.startswith("_")}}
