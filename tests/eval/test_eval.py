@@ -26,7 +26,8 @@ def test_text_bits_per_byte_matches_a_plain_forward(teacher, tmp_path):
     nll, count = 0.0, 0
     for d in docs:  # each document alone, with its closing EOS, first token unscored
         ids = tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
         nll -= float(logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum())
         count += len(ids) - 1
     text_bytes = sum(len(tok.decode(tok(d, add_special_tokens=False)["input_ids"]).encode()) for d in docs)
@@ -71,7 +72,8 @@ def test_choice_scores_are_continuation_log_likelihoods(teacher):
     ctx = tok(item.context, add_special_tokens=False)["input_ids"]
     for cont, score in zip(item.continuations, scores):
         whole = tok(item.context + cont, add_special_tokens=False)["input_ids"]
-        logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1)
         expected = sum(float(logp[t - 1, whole[t]]) for t in range(len(ctx), len(whole)))
         assert score == pytest.approx(expected, rel=1e-5, abs=1e-5)
     result = evaluate_choices(model, tok, [item, Item("x", [" a", " b"], 1)])

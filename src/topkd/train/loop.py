@@ -76,6 +76,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
             ckpt.save(cfg.out, module, optimizer, scheduler, state)
     bar.close()
+    del steps  # loader workers shut down now, not at interpreter exit
     ckpt.save(cfg.out, module, optimizer, scheduler, state)
     save_final(module, student, os.path.join(cfg.out, "final"))
     if rank == 0:
