@@ -46,9 +46,9 @@ def train(cfg: TrainConfig) -> dict:
     student = load_student(cfg, source)
     stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, cfg.temperature, cfg.tail))
     options = dict(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
-                   ce_weight=cfg.ce_weight, impl=cfg.impl, objective=cfg.objective,
-                   top_k=cfg.top_k)
-    module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing)
+                   ce_weight=cfg.ce_weight, impl=cfg.impl)
+    module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
+                       cfg.objective, cfg.top_k)
     shard_student(module)
     optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))

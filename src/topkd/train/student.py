@@ -67,11 +67,16 @@ def cut_layers(model: nn.Module, keep: int) -> nn.Module:
 
 
 class KDStudent(nn.Module):
-    """Owns the student; forward(batch) returns the summed KD (+ CE) loss of the batch's counted tokens."""
+    """Owns the student; forward(batch) returns the summed KD (+ CE) loss of the batch's counted tokens.
 
-    def __init__(self, model: nn.Module, teacher_vocab: int, loss_options: dict, activation_checkpointing=False):
+    loss_options go to fused_linear_kd as they are; objective="ce" trains on hard labels only (the
+    no-teacher baseline); top_k > 0 distils from the first top_k columns of the (rank-ordered) rows."""
+
+    def __init__(self, model: nn.Module, teacher_vocab: int, loss_options: dict, activation_checkpointing=False,
+                 objective: str = "kd", top_k: int = 0):
         super().__init__()
         self.model, self.teacher_vocab, self.loss_options = model, teacher_vocab, loss_options
+        self.objective, self.top_k = objective, top_k or None
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -82,14 +87,12 @@ class KDStudent(nn.Module):
         weight = head.weight[: self.teacher_vocab]  # padded student rows: no mass, no gradient
         bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab]
         opts = self.loss_options
-        if opts.get("objective") == "ce":  # the no-teacher baseline: torch's fused linear + cross entropy
+        if self.objective == "ce":  # torch's fused linear + cross entropy
             return torch.nn.functional.linear_cross_entropy(
                 hidden.float().reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1), linear_bias=bias,
                 reduction="sum", ignore_index=-100)
-        top_k = opts.get("top_k") or None  # rows are in rank order: the first N are the teacher's top-N
-        opts = {k: v for k, v in opts.items() if k not in ("objective", "top_k")}
         logz = batch["teacher_logz"] if opts["temperature"] != 1.0 and opts["tail"] == "bucket" else None
         labels = batch["labels"] if opts["ce_weight"] else None
-        return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"][..., :top_k],
-                               batch["teacher_logprobs"][..., :top_k],
+        return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"][..., : self.top_k],
+                               batch["teacher_logprobs"][..., : self.top_k],
                                mask=batch["mask"], teacher_logz=logz, labels=labels, bias=bias, reduction="sum", **opts)
