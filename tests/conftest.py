@@ -1,8 +1,10 @@
 """Shared fixtures: one tiny random teacher, a text file, and a small cache built from them (session-wide)."""
+import json
+
 import pytest
 
 from tests.cache.tiny import make_teacher, make_text
-from topkd.cache import CacheBuildConfig, build
+from topkd.cache import CacheBuildConfig, TopKCache, build
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +31,20 @@ def built_cache(teacher_dir, text_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("cache") / "c"
     build(cache_config(teacher_dir, text_file, out))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def documents_file(tmp_path_factory):
+    """JSONL documents of 2 to 150 words (some longer than a 48-token sequence)."""
+    path = tmp_path_factory.mktemp("docs") / "d.jsonl"
+    words = [3, 40, 7, 150, 12, 5, 60, 9, 25, 4, 80, 6, 18, 33, 2, 11]
+    path.write_text("".join(json.dumps({"text": make_text(n, seed=n)}) + "\n" for n in words))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def documents_cache(teacher_dir, documents_file, tmp_path_factory):
+    """documents_file packed 48 tokens per sequence, many documents per sequence."""
+    out = tmp_path_factory.mktemp("docs-cache") / "c"
+    build(cache_config(teacher_dir, documents_file, out))
+    return TopKCache(str(out))

@@ -1,4 +1,5 @@
 """Training samples from the cache: every row once per epoch, document-aware positions, masks, labels."""
+import numpy as np
 import pytest
 import torch
 
@@ -46,3 +47,37 @@ def test_tempered_bucket_needs_the_stored_normaliser(built_cache):
     assert logz_column(cache, 2.0, "bucket") == 0 and logz_column(cache, 3.0, "renorm") is None
     with pytest.raises(ValueError, match="rebuild the cache with --temperatures 3"):
         logz_column(cache, 3.0, "bucket")
+
+
+def test_document_starts_come_from_the_headers_as_decoding_finds_them(documents_cache):
+    starts = documents_cache.document_starts()
+    assert len(starts) == len(documents_cache) and sum(len(s) for s in starts) > len(documents_cache)
+    for i, s in enumerate(starts):
+        assert s[0] == 0 and np.array_equal(s, documents_cache[i]["doc_start"].nonzero().squeeze(1).numpy())
+
+
+def test_unpacked_samples_hold_one_document_each_padded_to_the_batch(documents_cache):
+    stream = SampleStream(documents_cache, 30, seed=1, packing="none")
+    pieces = [p for sample in stream.plan(0) for p in sample]
+    assert all(len(sample) == 1 and 0 < e - a <= 30 for sample in stream.plan(0) for _, a, e in sample)
+    assert sum(e - a for _, a, e in pieces) == documents_cache.tokens  # every row once, nothing dropped
+    starts = documents_cache.document_starts()
+    for i, a, e in pieces:  # a piece never crosses a document start
+        assert not ((starts[i] > a) & (starts[i] < e)).any()
+    batch = stream.batch(0, 4)
+    lengths = [e - a for i in range(4) for _, a, e in stream.locate(i)]
+    assert batch["input_ids"].shape == (4, max(lengths))  # padded to the longest, not to seq_len
+    for row, n in enumerate(lengths):
+        assert batch["position_ids"][row, 0] == 0 and not batch["mask"][row, n:].any()
+        assert torch.equal(batch["position_ids"][row, :n], torch.arange(n))  # one document: no restart
+
+
+def test_cross_packing_keeps_samples_and_masks_but_attends_across_documents(documents_cache):
+    packed, cross = SampleStream(documents_cache, 100, 0), SampleStream(documents_cache, 100, 0, packing="cross")
+    a, b = packed.batch(0, 2), cross.batch(0, 2)
+    for name in ("input_ids", "mask", "labels", "teacher_ids", "teacher_logprobs"):
+        assert torch.equal(a[name], b[name])
+    assert torch.equal(b["position_ids"], torch.arange(100).expand(2, -1))
+    assert (a["position_ids"][:, 1:] == 0).any()  # the documents packing restarts somewhere in these samples
+    with pytest.raises(ValueError, match="packing: expected one of"):
+        SampleStream(documents_cache, 100, 0, packing="padded")

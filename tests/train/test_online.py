@@ -23,6 +23,14 @@ def test_online_top_k_matches_training_from_its_cache(built_cache, teacher_dir, 
     assert online != offline
 
 
+@pytest.mark.parametrize("packing", ["none", "cross"])
+def test_online_packing_ablations_match_their_cache(documents_cache, teacher_dir, documents_file, tmp_path, packing):
+    common = {**COMMON, "packing": packing}  # seq_len 48: the online teacher packs as the cache did
+    train(TrainConfig(cache=documents_cache.path, out=str(tmp_path / "offline"), **common))
+    train(TrainConfig(teacher=teacher_dir, data=[documents_file], online_k=16, out=str(tmp_path / "online"), **common))
+    assert losses(tmp_path / "online") == pytest.approx(losses(tmp_path / "offline"), rel=2e-3)
+
+
 def test_full_vocabulary_equals_top_k_with_k_equal_to_v(teacher_dir, text_file, tmp_path):
     full = dict(teacher=teacher_dir, data=[text_file], steps=2, **{k: v for k, v in COMMON.items() if k != "steps"})
     train(TrainConfig(online_k=0, out=str(tmp_path / "full"), **full))

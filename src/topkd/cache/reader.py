@@ -141,6 +141,16 @@ class TopKCache:
             lengths.extend(np.diff(self.shard(j).seq_rows).tolist())
         return lengths
 
+    def document_starts(self) -> list[np.ndarray]:
+        """Where documents begin in each cached sequence (row 0 always counts), from the shard headers."""
+        starts = []
+        for j in range(len(self.manifest["shards"])):
+            shard = self.shard(j)
+            rows, docs = shard.seq_rows, shard.doc_starts
+            for a, e in zip(rows[:-1], rows[1:]):
+                starts.append(np.union1d([0], docs[(docs >= a) & (docs < e)] - a).astype(np.int64))
+        return starts
+
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
         """Refuse a student whose vocabulary or tokenizer differs from the teacher's."""
         check_student_fits(self.vocab_size, self.fingerprint["tokenizer_sha256"], vocab_size, tokenizer)

@@ -20,13 +20,27 @@ from topkd.cache import TopKCache
 from topkd.cache.data import position_ids
 
 
-class SampleStream:
-    """Samples over a sequence source: a TopKCache, or a teacher run on the fly (topkd.train.online)."""
+PACKINGS = ("documents", "cross", "none")
 
-    def __init__(self, source: TopKCache, seq_len: int, seed: int, temperature_column: int | None = None):
+
+class SampleStream:
+    """Samples over a sequence source: a TopKCache, or a teacher run on the fly (topkd.train.online).
+
+    packing: "documents" (default) lays rows end to end and restarts attention at every document;
+    "cross" packs the same way but attends across documents (naive packing, for ablations); "none"
+    makes every document (or seq_len piece of one) its own sample, padded to the batch's longest."""
+
+    def __init__(self, source: TopKCache, seq_len: int, seed: int, temperature_column: int | None = None,
+                 packing: str = "documents"):
+        if packing not in PACKINGS:
+            raise ValueError(f"packing: expected one of {PACKINGS}, got {packing!r}")
         self.source, self.seq_len, self.seed, self.logz_column = source, seq_len, seed, temperature_column
+        self.packing = packing
         self.lengths = source.sequence_lengths()
-        self.per_epoch = -(-sum(self.lengths) // seq_len)  # pieces fill samples in order: the count is fixed
+        self.units = _document_pieces(source.document_starts(), self.lengths, seq_len) if packing == "none" \
+            else None
+        # pieces fill samples in order: the count per epoch is fixed
+        self.per_epoch = len(self.units) if self.units is not None else -(-sum(self.lengths) // seq_len)
         self.separator = source.separator
         self._plans: dict[int, list[list[tuple[int, int, int]]]] = {}
         self._decoded: tuple[int, dict] | None = None
@@ -35,24 +49,30 @@ class SampleStream:
         """Samples of one epoch, each a list of (sequence, first row, end row) pieces."""
         if epoch not in self._plans:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            samples, current, filled = [], [], 0
-            order = torch.randperm(len(self.lengths), generator=g).tolist()
-            full = max(self.lengths, default=0)
-            # short sequences (the end of the data) go last, so they cannot shift every later sample off the
-            # teacher's sequence boundaries: with --seq-len equal to the cache's, samples are whole sequences
-            for i in [i for i in order if self.lengths[i] == full] + [i for i in order if self.lengths[i] < full]:
-                pos = 0
-                while pos < self.lengths[i]:
-                    take = min(self.seq_len - filled, self.lengths[i] - pos)
-                    current.append((i, pos, pos + take))
-                    filled, pos = filled + take, pos + take
-                    if filled == self.seq_len:
-                        samples.append(current)
-                        current, filled = [], 0
-            if current:
-                samples.append(current)  # a short last sample, padded and masked, never dropped
+            if self.units is not None:
+                samples = [[self.units[i]] for i in torch.randperm(len(self.units), generator=g).tolist()]
+            else:
+                samples = self._packed_plan(torch.randperm(len(self.lengths), generator=g).tolist())
             self._plans = {epoch: samples}  # one epoch at a time is enough for a sequential reader
         return self._plans[epoch]
+
+    def _packed_plan(self, order: list[int]) -> list[list[tuple[int, int, int]]]:
+        samples, current, filled = [], [], 0
+        full = max(self.lengths, default=0)
+        # short sequences (the end of the data) go last, so they cannot shift every later sample off the
+        # teacher's sequence boundaries: with --seq-len equal to the cache's, samples are whole sequences
+        for i in [i for i in order if self.lengths[i] == full] + [i for i in order if self.lengths[i] < full]:
+            pos = 0
+            while pos < self.lengths[i]:
+                take = min(self.seq_len - filled, self.lengths[i] - pos)
+                current.append((i, pos, pos + take))
+                filled, pos = filled + take, pos + take
+                if filled == self.seq_len:
+                    samples.append(current)
+                    current, filled = [], 0
+        if current:
+            samples.append(current)  # a short last sample, padded and masked, never dropped
+        return samples
 
     def locate(self, index: int) -> list[tuple[int, int, int]]:
         return self.plan(index // self.per_epoch)[index % self.per_epoch]
@@ -62,12 +82,12 @@ class SampleStream:
             self._decoded = (i, self.source[i])
         return self._decoded[1]
 
-    def sample(self, index: int) -> dict[str, torch.Tensor]:
+    def sample(self, index: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
         pieces = [self._piece(i, a, e) for i, a, e in self.locate(index)]
         out = {name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}
-        out["position_ids"] = torch.from_numpy(position_ids(len(out["input_ids"]), out.pop("doc_start").nonzero()
-                                                            .squeeze(1).numpy()))
-        return _pad(out, self.seq_len)
+        starts = out.pop("doc_start").nonzero().squeeze(1).numpy() if self.packing != "cross" else [0]
+        out["position_ids"] = torch.from_numpy(position_ids(len(out["input_ids"]), starts))
+        return _pad(out, pad_to or self.seq_len)
 
     def _piece(self, i: int, a: int, e: int) -> dict[str, torch.Tensor]:
         row = self._sequence(i)
@@ -85,8 +105,20 @@ class SampleStream:
                 "labels": labels, "doc_start": doc_start}
 
     def batch(self, first_sample: int, size: int) -> dict[str, torch.Tensor]:
-        samples = [self.sample(first_sample + j) for j in range(size)]
+        indices = range(first_sample, first_sample + size)
+        longest = max(sum(e - a for _, a, e in self.locate(i)) for i in indices) if self.units is not None else None
+        samples = [self.sample(i, longest) for i in indices]
         return {name: torch.stack([s[name] for s in samples]) for name in samples[0]}
+
+
+def _document_pieces(starts: list[np.ndarray], lengths: list[int], seq_len: int) -> list[tuple[int, int, int]]:
+    """(sequence, first row, end row) of every document in the source, cut into pieces of <= seq_len rows."""
+    pieces = []
+    for i, (doc_starts, length) in enumerate(zip(starts, lengths)):
+        bounds = [int(b) for b in doc_starts] + [length]
+        for a, e in zip(bounds[:-1], bounds[1:]):
+            pieces.extend((i, p, min(p + seq_len, e)) for p in range(a, e, seq_len))
+    return pieces
 
 
 def _pad(sample: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tensor]:

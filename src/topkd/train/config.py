@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from topkd.checks import require_ints
+from topkd.train.batches import PACKINGS
 
 
 @dataclass
@@ -19,6 +20,7 @@ class TrainConfig:
     init_from_teacher: bool = False
     layers: int = 0
     seq_len: int = 0
+    packing: str = "documents"
     batch_size: int = 4
     grad_accum: int = 1
     steps: int = 100
@@ -55,6 +57,8 @@ TRAIN_HELP = {
     "init_from_teacher": "derive the student from the cache's teacher: keep --layers evenly spaced layers",
     "layers": "layers kept with --init-from-teacher (first and last always kept)",
     "seq_len": "tokens per training sample (0: the cache's; other values re-slice the cached sequences)",
+    "packing": "documents (rows laid end to end, attention restarts at each document) | cross (the same, attending "
+               "across documents) | none (one document per sample, padded to the batch's longest; ablations)",
     "batch_size": "samples per micro-batch",
     "grad_accum": "micro-batches per optimizer step; the loss is normalised by the step's counted tokens",
     "steps": "optimizer steps",
@@ -100,6 +104,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
     if cfg.objective not in ("kd", "ce"):
         raise ValueError(f"objective: expected kd | ce, got {cfg.objective!r}")
+    if cfg.packing not in PACKINGS:
+        raise ValueError(f"packing: expected one of {PACKINGS}, got {cfg.packing!r}")
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected cpu | cuda, got {cfg.device!r}")
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)

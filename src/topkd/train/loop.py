@@ -44,7 +44,7 @@ def train(cfg: TrainConfig) -> dict:
     check_top_k(cfg.top_k, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
-    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, cfg.temperature, cfg.tail))
+    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, cfg.temperature, cfg.tail), cfg.packing)
     options = dict(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
                    ce_weight=cfg.ce_weight, impl=cfg.impl)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,

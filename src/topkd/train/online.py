@@ -44,6 +44,9 @@ class OnlineTeacher:
     def sequence_lengths(self) -> list[int]:
         return [len(s.tokens) for s in self.sequences]
 
+    def document_starts(self) -> list[np.ndarray]:
+        return [np.union1d([0], s.doc_starts).astype(np.int64) for s in self.sequences]
+
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
         check_student_fits(self.vocab_size, tokenizer_hash(self.teacher.tokenizer), vocab_size, tokenizer)
 
