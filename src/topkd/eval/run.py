@@ -34,6 +34,7 @@ class EvalConfig:
     max_tokens: int = 0
     max_sequences: int = 0
     lm_eval: list[str] = field(default_factory=list)
+    lm_eval_include: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     out: str = ""
@@ -51,6 +52,7 @@ EVAL_HELP = {
     "max_tokens": "score only the first this many tokens of --text (0: all)",
     "max_sequences": "score only this many cache sequences (0: all)",
     "lm_eval": "comma-separated lm-eval task names run through lm-evaluation-harness (optional extra)",
+    "lm_eval_include": "a directory of your own lm-eval task YAMLs (e.g. tasks on local JSONL files) for --lm-eval",
     "dtype": "model weights dtype: float32 | bfloat16 | float16",
     "device": "cpu | cuda",
     "out": "JSON file for the results (default: none; the last printed line is the same JSON)",
@@ -103,13 +105,18 @@ def run_lm_eval(cfg: EvalConfig) -> dict:
     if not os.path.isdir(cfg.model):
         raise ValueError(f"--lm-eval: expected a Hugging Face model directory, got {cfg.model!r}; save a GGUF "
                          "model with save_pretrained first (topkd demo does this for its teacher)")
+    if cfg.lm_eval_include and not os.path.isdir(cfg.lm_eval_include):
+        raise ValueError(f"--lm-eval-include: expected a directory of lm-eval task YAMLs, got {cfg.lm_eval_include!r}")
     try:
         import lm_eval
     except ImportError as e:
         raise ValueError("--lm-eval: expected lm-evaluation-harness, got no lm_eval module; install the extra: "
                          "pip install 'topkd[eval]'") from e
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=cfg.lm_eval_include or None)
     out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={cfg.model},dtype={cfg.dtype}",
-                                  tasks=cfg.lm_eval, device=cfg.device, limit=cfg.limit or None)
+                                  tasks=cfg.lm_eval, device=cfg.device, limit=cfg.limit or None, task_manager=tasks)
     return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             for task, metrics in out["results"].items()}
 
@@ -125,8 +132,16 @@ def table(results: list[dict]) -> str:
     keys = [(s, k, label) for s, k, label in ROWS if any(k in r.get(s, {}) for r in results)]
     keys += [(s, "acc", s.split(":", 1)[1] + " acc") for s in dict.fromkeys(
         s for r in results for s in r if s.startswith("choices:"))]
+    keys += [(f"lm_eval:{task}", metric, f"{task} {metric.split(',')[0]}") for task, metric in dict.fromkeys(
+        (t, m) for r in results for t, ms in r.get("lm_eval", {}).items() for m in ms if "stderr" not in m)]
     lines = [f"{'':<16}" + "".join(f"{n:>26}" for n in names)]
     for section, key, label in keys:
-        cells = [r.get(section, {}).get(key) for r in results]
+        cells = [_cell(r, section, key) for r in results]
         lines.append(f"{label:<16}" + "".join(f"{'-' if c is None else f'{c:.4f}':>26}" for c in cells))
     return "\n".join(lines)
+
+
+def _cell(result: dict, section: str, key: str) -> float | None:
+    if section.startswith("lm_eval:"):
+        return result.get("lm_eval", {}).get(section.split(":", 1)[1], {}).get(key)
+    return result.get(section, {}).get(key)
