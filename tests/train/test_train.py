@@ -140,3 +140,12 @@ def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_p
     assert torch.equal(sliced, KDStudent(student.model, cache.vocab_size, opts)(narrow))
     with pytest.raises(ValueError, match="at most the teacher rows' K=16"):
         train(config(built_cache, tmp_path / "big", top_k=17))
+
+
+def test_student_with_logit_soft_capping_is_refused(teacher_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    model.config.final_logit_softcapping = 30.0  # Gemma-2 style: the loss would not see the cap
+    with pytest.raises(ValueError, match="expected no final logit soft-capping"):
+        KDStudent(model, 1000, {})

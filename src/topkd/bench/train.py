@@ -21,12 +21,14 @@ from tqdm import tqdm
 
 from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.stamp import stamp
+from topkd.bench.train_point import SHAPES
 
 
 @dataclass
 class TrainBenchConfig:
     lengths: list[int] = field(default_factory=lambda: [4096, 16384, 32768])
     impls: list[str] = field(default_factory=lambda: ["fused", "chunked", "dense"])
+    shape: str = "smollm2"
     layers: int = 2
     repeats: int = 2
     loading_tokens: int = 2048
@@ -40,7 +42,8 @@ class TrainBenchConfig:
 TRAIN_BENCH_HELP = {
     "lengths": "tokens per training sample (one sample per step)",
     "impls": "loss implementations: fused, chunked, dense",
-    "layers": "decoder blocks of the SmolLM2-shaped student",
+    "shape": "student shape: smollm2 (V=49,152, H=576) | gemma3-270m (V=262,144, H=640)",
+    "layers": "decoder blocks of the student",
     "repeats": "timed steps per impl and length (interleaved; the median is reported)",
     "loading_tokens": "sample length of the cache-loading comparison",
     "loading_batch": "samples per step of the cache-loading comparison",
@@ -52,7 +55,8 @@ TRAIN_BENCH_HELP = {
 
 
 def _point(cfg: TrainBenchConfig, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "topkd.bench.train_point", "--layers", str(cfg.layers), "--repeats",
+    cmd = [sys.executable, "-m", "topkd.bench.train_point", "--shape", cfg.shape, "--layers", str(cfg.layers),
+           "--repeats",
            str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib), *args]
     return run_json_process(cmd, cfg.timeout_s, {**os.environ, "THP_MEM_ALLOC_ENABLE": "0"})
 
@@ -170,7 +174,8 @@ def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None
         series[impl] = ([r["tokens"] for r in ok], [r["process_peak_gib"] for r in ok], [r["step_s"] for r in timed])
         oom[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r["status"] == "oom"]
     plot_vs_length(series, oom, ("peak process memory (GiB); x: OOM", "training step (s)"),
-                   f"training step, SmolLM2-shaped student ({cfg.layers} layers, V=49,152), {meta['machine']} "
+                   f"training step, {cfg.shape}-shaped student ({cfg.layers} layers, V={SHAPES[cfg.shape][2]['vocab_size']:,}), "
+                   f"{meta['machine']} "
                    f"({meta['commit']})", path, oom_level=cfg.mem_limit_gib)
 
 

@@ -4,8 +4,9 @@
     python -m topkd.bench.train_point --phase time --impls fused,chunked --tokens 16384 --repeats 2
     python -m topkd.bench.train_point --phase loading --tokens 2048 --batch 4
 
-The student is SmolLM2-135M-shaped (H=576, 9 query / 3 KV heads, MLP 1536, V=49,152, tied
-embeddings), randomly initialised with --layers blocks, and every step is
+The student has --shape smollm2 (SmolLM2-135M: H=576, 9 query / 3 KV heads, MLP 1536, V=49,152)
+or gemma3-270m (Gemma-3-270M: H=640, 4 query / 1 KV head of 256, MLP 2048, V=262,144, 5 local
+layers per global one), tied embeddings, randomly initialised with --layers blocks; every step is
 topkd.train.loop.train_step itself (forward, fused/chunked/dense KD loss, backward, clipping,
 AdamW). Teacher rows are synthetic top-100 rows. A 64-token step runs first (thread pools,
 optimizer state), then:
@@ -38,6 +39,11 @@ from topkd.train.student import KDStudent
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                   tie_word_embeddings=True, final_logit_softcapping=None, rms_norm_eps=1e-6)
+SHAPES = {"smollm2": ("LlamaConfig", "LlamaForCausalLM", SMOLLM2),
+          "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_270M)}
 K = 100
 
 
@@ -51,21 +57,23 @@ class HeldBatch:
         return self.held
 
 
-def make_student(layers: int, max_len: int, impl: str) -> tuple[KDStudent, torch.optim.Optimizer]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_student(shape: str, layers: int, max_len: int, impl: str) -> tuple[KDStudent, torch.optim.Optimizer]:
+    import transformers
 
+    config_name, model_name, dims = SHAPES[shape]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max_len, **SMOLLM2))
+    config = getattr(transformers, config_name)(num_hidden_layers=layers, max_position_embeddings=max_len, **dims)
+    model = getattr(transformers, model_name)(config)
     model.config.use_cache = False
     options = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl=impl)
-    module = KDStudent(model.train(), SMOLLM2["vocab_size"], options)
+    module = KDStudent(model.train(), dims["vocab_size"], options)
     return module, torch.optim.AdamW(module.parameters(), lr=1e-4)
 
 
-def synthetic_batch(rows: int, size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def synthetic_batch(vocab: int, rows: int, size: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """`size` samples of `rows` tokens, one document each, with synthetic teacher top-K rows."""
-    ids, logprobs = teacher_rows(rows * size, SMOLLM2["vocab_size"], K, "cpu", seed)
-    tokens = torch.randint(0, SMOLLM2["vocab_size"], (size, rows), generator=torch.Generator().manual_seed(seed))
+    ids, logprobs = teacher_rows(rows * size, vocab, K, "cpu", seed)
+    tokens = torch.randint(0, vocab, (size, rows), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": tokens, "position_ids": torch.arange(rows).expand(size, rows).contiguous(),
             "teacher_ids": ids.view(size, rows, K), "teacher_logprobs": logprobs.view(size, rows, K),
             "teacher_logz": torch.zeros(size, rows), "mask": torch.ones(size, rows, dtype=torch.bool),
@@ -80,14 +88,14 @@ def step(module, optimizer, stream, size: int, index: int = 0) -> float:
 
 
 def warm_up(module, optimizer) -> None:
-    step(module, optimizer, HeldBatch(synthetic_batch(64, 1, seed=9)), 1)
+    step(module, optimizer, HeldBatch(synthetic_batch(module.teacher_vocab, 64, 1, seed=9)), 1)
     topkd.loss.release_workspace()
 
 
-def measure_memory(impl: str, tokens: int, layers: int) -> dict:
-    module, optimizer = make_student(layers, tokens, impl)
+def measure_memory(shape: str, impl: str, tokens: int, layers: int) -> dict:
+    module, optimizer = make_student(shape, layers, tokens, impl)
     warm_up(module, optimizer)
-    batch = HeldBatch(synthetic_batch(tokens, 1))
+    batch = HeldBatch(synthetic_batch(module.teacher_vocab, tokens, 1))
     memory = PeakMemory(torch.device("cpu"))
     memory.reset()
     seconds = step(module, optimizer, batch, 1)
@@ -95,10 +103,10 @@ def measure_memory(impl: str, tokens: int, layers: int) -> dict:
             "step_s": seconds}
 
 
-def measure_time(impls: list[str], tokens: int, layers: int, repeats: int) -> dict:
-    module, optimizer = make_student(layers, tokens, impls[0])
+def measure_time(shape: str, impls: list[str], tokens: int, layers: int, repeats: int) -> dict:
+    module, optimizer = make_student(shape, layers, tokens, impls[0])
     warm_up(module, optimizer)
-    batch = HeldBatch(synthetic_batch(tokens, 1))
+    batch = HeldBatch(synthetic_batch(module.teacher_vocab, tokens, 1))
     times = {impl: [] for impl in impls}
     for _ in range(repeats):
         for impl in impls:
@@ -107,13 +115,13 @@ def measure_time(impls: list[str], tokens: int, layers: int, repeats: int) -> di
     return {"times_s": times, "median_s": {impl: statistics.median(t) for impl, t in times.items()}}
 
 
-def measure_loading(tokens: int, size: int, layers: int, repeats: int) -> dict:
+def measure_loading(shape: str, tokens: int, size: int, layers: int, repeats: int) -> dict:
     from topkd.cache import TopKCache
 
-    module, optimizer = make_student(layers, tokens, "fused")
+    module, optimizer = make_student(shape, layers, tokens, "fused")
     warm_up(module, optimizer)
     with tempfile.TemporaryDirectory() as root:
-        write_synthetic_cache(root, tokens, size * (repeats + 1))
+        write_synthetic_cache(root, module.teacher_vocab, tokens, size * (repeats + 1))
         stream = SampleStream(TopKCache(root), tokens, seed=0)
         held = HeldBatch(stream.batch(0, size))
         step(module, optimizer, held, size)  # the first full-size step pays one-time costs: not timed
@@ -131,7 +139,7 @@ def measure_loading(tokens: int, size: int, layers: int, repeats: int) -> dict:
             "cached_over_in_memory": statistics.median(cached) / statistics.median(in_memory)}
 
 
-def write_synthetic_cache(root: str, rows: int, n_seqs: int) -> None:
+def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None:
     """A real rice-zstd cache (the build's writer) holding synthetic teacher rows."""
     from topkd.cache import manifest as mf
     from topkd.cache.shard import TeacherSequence, encode_shard, write_shard
@@ -139,18 +147,18 @@ def write_synthetic_cache(root: str, rows: int, n_seqs: int) -> None:
     os.makedirs(os.path.join(root, "shards"))
     seqs = []
     for i in range(n_seqs):
-        ids, logprobs = teacher_rows(rows, SMOLLM2["vocab_size"], K, "cpu", seed=100 + i)
+        ids, logprobs = teacher_rows(rows, vocab, K, "cpu", seed=100 + i)
         lp = logprobs.numpy()
         mass = np.logaddexp.reduce(lp, axis=1).astype(np.float32)
-        seqs.append(TeacherSequence(input_ids=np.random.default_rng(i).integers(0, SMOLLM2["vocab_size"], rows),
+        seqs.append(TeacherSequence(input_ids=np.random.default_rng(i).integers(0, vocab, rows),
                                     ids=ids.numpy(), logprobs=lp, log_mass=mass,
                                     log_tail=np.log1p(-np.exp(mass)).astype(np.float32),
                                     logz=np.zeros((rows, 0), np.float32), doc_starts=np.array([0]),
                                     source_index=i, token_offset=i * rows))
-    arrays, meta = encode_shard(seqs, vocab=SMOLLM2["vocab_size"], codec_name="rice-zstd")
+    arrays, meta = encode_shard(seqs, vocab=vocab, codec_name="rice-zstd")
     nbytes = write_shard(mf.shard_path(root, 0), arrays, meta)
     side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, "synthetic")
-    fingerprint = {"teacher": "synthetic", "vocab_size": SMOLLM2["vocab_size"], "k": K, "temperatures": [],
+    fingerprint = {"teacher": "synthetic", "vocab_size": vocab, "k": K, "temperatures": [],
                    "tokenizer_sha256": "synthetic"}
     mf.write_manifest(root, fingerprint, {"seq_len": rows, "codec": "rice-zstd", "separator": None}, [side])
 
@@ -162,6 +170,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, required=True, help="tokens per sample")
     p.add_argument("--batch", type=int, default=1, help="samples per step (loading phase)")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--mem-limit-gib", type=float, default=0.0, help="address-space cap (0: none)")
     a = p.parse_args(argv)
@@ -169,14 +178,15 @@ def main(argv=None) -> None:
         cap = int(a.mem_limit_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     impls = a.impls.split(",")
-    row = {"phase": a.phase, "impls": impls, "tokens": a.tokens, "layers": a.layers, "batch": a.batch}
+    row = {"phase": a.phase, "shape": a.shape, "impls": impls, "tokens": a.tokens, "layers": a.layers,
+           "batch": a.batch}
     try:
         if a.phase == "memory":
-            row.update(measure_memory(impls[0], a.tokens, a.layers))
+            row.update(measure_memory(a.shape, impls[0], a.tokens, a.layers))
         elif a.phase == "time":
-            row.update(measure_time(impls, a.tokens, a.layers, a.repeats))
+            row.update(measure_time(a.shape, impls, a.tokens, a.layers, a.repeats))
         else:
-            row.update(measure_loading(a.tokens, a.batch, a.layers, a.repeats))
+            row.update(measure_loading(a.shape, a.tokens, a.batch, a.layers, a.repeats))
         row["status"] = "ok"
     except (torch.OutOfMemoryError, MemoryError) as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])

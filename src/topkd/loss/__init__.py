@@ -2,5 +2,6 @@
 from topkd.loss.api import KDLoss, fused_linear_kd
 from topkd.loss.divergences import DIVERGENCES, Buckets
 from topkd.loss.fused import release_workspace
+from topkd.loss.vocab_parallel import vocab_parallel_linear_kd
 
-__all__ = ["fused_linear_kd", "KDLoss", "DIVERGENCES", "Buckets", "release_workspace"]
+__all__ = ["fused_linear_kd", "KDLoss", "vocab_parallel_linear_kd", "DIVERGENCES", "Buckets", "release_workspace"]

@@ -45,21 +45,10 @@ def fused_linear_kd(
     chunk_size: rows per chunk; default from a 256 MiB budget for the chunk's logits.
     """
     validate.check_names(divergence, tail, impl, reduction)
-    validate.check_numbers(temperature, beta, ce_weight, divergence, chunk_size)
-    validate.check_shapes(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels)
-    validate.check_temperature_tail(tail, float(temperature), teacher_logz is not None)
-    if ce_weight > 0 and labels is None:
-        raise ValueError(f"ce_weight={ce_weight} needs labels (next-token ids, -100 ignored), got None; "
-                         "pass labels or set ce_weight=0")
-    lead, vocab, k = hidden.shape[:-1], weight.shape[0], teacher_ids.shape[-1]
-    x = hidden.reshape(-1, hidden.shape[-1])
-    row_index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
-    if row_index is not None and row_index.numel() == x.shape[0]:
-        row_index = None  # nothing masked: contiguous slices, no gathers
-    rows = _counted_rows(teacher_ids, teacher_logprobs, teacher_logz, labels if ce_weight > 0 else None, row_index, k)
-    validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, tail, float(temperature))
-    spec = LossSpec(divergence, tail, float(temperature), float(beta), float(ce_weight), full_support=(k == vocab))
-    chunk = chunk_size or chunk_rows(vocab, hidden.dtype, spec, rows.labels is not None, DEFAULT_CHUNK_BYTES)
+    x, row_index, rows, spec, chunk = prepare(
+        hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels,
+        dict(divergence=divergence, tail=tail, temperature=temperature, beta=beta, ce_weight=ce_weight),
+        chunk_size, weight.shape[0])
     if impl == "fused":
         grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted)
@@ -69,7 +58,33 @@ def fused_linear_kd(
             loss = chunked_linear_kd(counted, weight, bias, rows, spec, reduction, chunk)
         else:
             loss = dense_linear_kd(counted, weight, bias, rows, spec, reduction)
-    return loss if reduction != "none" else _scatter_tokens(loss, row_index, x.shape[0]).reshape(lead)
+    return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(hidden.shape[:-1])
+
+
+def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options: dict,
+            chunk_size: int | None, vocab: int):
+    """Validate, then (2-D hidden, row_index of counted tokens or None, their TeacherRows, LossSpec, chunk rows).
+    vocab is the full vocabulary; weight may hold only some of its rows (vocab-parallel)."""
+    o = options
+    validate.check_numbers(o["temperature"], o["beta"], o["ce_weight"], o["divergence"], chunk_size)
+    validate.check_shapes(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, vocab)
+    validate.check_temperature_tail(o["tail"], float(o["temperature"]), teacher_logz is not None)
+    if o["ce_weight"] > 0 and labels is None:
+        raise ValueError(f"ce_weight={o['ce_weight']} needs labels (next-token ids, -100 ignored), got None; "
+                         "pass labels or set ce_weight=0")
+    k = teacher_ids.shape[-1]
+    x = hidden.reshape(-1, hidden.shape[-1])
+    row_index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    if row_index is not None and row_index.numel() == x.shape[0]:
+        row_index = None  # nothing masked: contiguous slices, no gathers
+    rows = _counted_rows(teacher_ids, teacher_logprobs, teacher_logz, labels if o["ce_weight"] > 0 else None,
+                         row_index, k)
+    validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, o["tail"], float(o["temperature"]))
+    spec = LossSpec(o["divergence"], o["tail"], float(o["temperature"]), float(o["beta"]), float(o["ce_weight"]),
+                    full_support=(k == vocab))
+    chunk = chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
+                                     DEFAULT_CHUNK_BYTES)
+    return x, row_index, rows, spec, chunk
 
 
 def _counted_rows(ids, logprobs, logz, labels, row_index, k) -> TeacherRows:
@@ -81,7 +96,7 @@ def _counted_rows(ids, logprobs, logz, labels, row_index, k) -> TeacherRows:
     return TeacherRows(pick(rows.ids), pick(rows.logprobs), pick(rows.logz), pick(rows.labels))
 
 
-def _scatter_tokens(per_token: Tensor, row_index: Tensor | None, n_all: int) -> Tensor:
+def scatter_tokens(per_token: Tensor, row_index: Tensor | None, n_all: int) -> Tensor:
     if row_index is None:
         return per_token
     return per_token.new_zeros(n_all).index_put((row_index,), per_token)

@@ -10,6 +10,10 @@ Gradient (docs/loss.md): with l_j = log Q_j the bucket log-masses and u = dL/dl,
 so ids get u_k - U q_k (written, never formed as a difference of large terms) and every
 other token gets q_v (u_tail / Q_tail - U). The tail mass is summed over non-teacher tokens
 directly, never as 1 - sum q, so it stays accurate when the teacher covers nearly all mass.
+
+With a VocabShard, z holds only this process's columns of the vocabulary (a tensor-parallel
+lm_head): the row max, the id and label logits and the sums are combined across the group
+(all_reduce), so every process sees the same buckets, and each writes dL/dz for its columns.
 """
 from __future__ import annotations
 
@@ -51,6 +55,60 @@ class TeacherRows:
         return TeacherRows(pick(self.ids), pick(self.logprobs), pick(self.logz), pick(self.labels))
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """This process holds vocabulary rows [start, start + size) of `vocab`, split across `group`."""
+
+    start: int
+    size: int
+    vocab: int
+    group: object = None
+
+    def held(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(row, local column, position in ids) of every id in this shard; ids: [C, K]."""
+        local = ids - self.start
+        row, k = ((local >= 0) & (local < self.size)).nonzero(as_tuple=True)
+        return row, local[row, k], k
+
+    def all_reduce(self, t: Tensor, op: str) -> Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+def _gather(z: Tensor, ids: Tensor, shard: VocabShard | None) -> Tensor:
+    """z at ids ([C, K]); across a shard group, each id's logit comes from the process holding it."""
+    if shard is None:
+        return z.gather(1, ids)
+    row, col, k = shard.held(ids)
+    out = torch.zeros(ids.shape, dtype=z.dtype, device=z.device)
+    out[row, k] = z[row, col]
+    return shard.all_reduce(out, "sum")
+
+
+def _put(z: Tensor, ids: Tensor, values, shard: VocabShard | None, accumulate: bool = False) -> None:
+    """z[r, ids[r, k]] = values[r, k] (a Tensor [C, K] or a number), or += with accumulate."""
+    if shard is None:
+        src = values if isinstance(values, Tensor) else torch.full(ids.shape, values, dtype=z.dtype, device=z.device)
+        z.scatter_add_(1, ids, src) if accumulate else z.scatter_(1, ids, src)
+        return
+    row, col, k = shard.held(ids)
+    src = values[row, k] if isinstance(values, Tensor) else torch.full(row.shape, values, dtype=z.dtype,
+                                                                        device=z.device)
+    z.index_put_((row, col), src, accumulate=accumulate)
+
+
+def _row_max(z: Tensor, shard: VocabShard | None) -> Tensor:
+    m = z.amax(dim=1, keepdim=True)
+    return m if shard is None else shard.all_reduce(m, "max")
+
+
+def _row_sum(t: Tensor, shard: VocabShard | None) -> Tensor:
+    s = t.sum(dim=1)
+    return s if shard is None else shard.all_reduce(s, "sum")
+
+
 BLOCK_BYTES = 2**20  # elementwise passes walk the chunk in row blocks this size, so they stay in L2
 
 
@@ -60,11 +118,18 @@ def row_blocks(z: Tensor) -> list[tuple[int, int]]:
     return [(r, min(r + rows, z.shape[0])) for r in range(0, z.shape[0], rows)]
 
 
-def _softmax_stats(z: Tensor, ids: Tensor, temperature: float):
+def _softmax_stats(z: Tensor, ids: Tensor, temperature: float, shard: VocabShard | None = None):
     """In place: z <- exp((z - max) / T) with zeros at ids. Returns (max, shifted id logits, tail sum, total)."""
+    z_ids = _gather(z, ids, shard)
+    if shard is not None:  # the max and the tail sum span every process's columns
+        m = _row_max(z, shard)
+        z.sub_(m).mul_(1.0 / temperature).exp_()
+        _put(z, ids, 0.0, shard)
+        tail_sum = _row_sum(z, shard)
+        z_ids = (z_ids - m) / temperature
+        return m.squeeze(1), z_ids, tail_sum, tail_sum + z_ids.exp().sum(dim=1)
     m = torch.empty(z.shape[0], 1, dtype=z.dtype, device=z.device)
     tail_sum = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
-    z_ids = z.gather(1, ids)
     for a, b in row_blocks(z):  # each block's max, exp and sum passes hit cache, not DRAM
         block = z[a:b]
         torch.amax(block, dim=1, keepdim=True, out=m[a:b])
@@ -85,24 +150,26 @@ def chunk_step(
     spec: LossSpec,
     kd_weight: Tensor | None = None,
     ce_weight: Tensor | None = None,
+    shard: VocabShard | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token (kd, ce) losses for one chunk; with kd_weight, z becomes dL/dz.
 
-    z: [C, V] logits in the compute dtype (overwritten). kd_weight / ce_weight: [C] weights
-    of each token's kd and ce terms in the total loss (ce_weight already includes
-    spec.ce_weight and zeros for ignored labels). kd is returned already scaled by T^2.
+    z: [C, V] logits in the compute dtype (overwritten); with a shard, [C, shard.size] columns.
+    kd_weight / ce_weight: [C] weights of each token's kd and ce terms in the total loss
+    (ce_weight already includes spec.ce_weight and zeros for ignored labels). kd is returned
+    already scaled by T^2.
     """
     temp, cdt = spec.temperature, z.dtype
     ids = rows.ids.long()
     labels = None if rows.labels is None else rows.labels.clamp_min(0).unsqueeze(1)
-    z_label = None if labels is None else z.gather(1, labels).squeeze(1)
+    z_label = None if labels is None else _gather(z, labels, shard).squeeze(1)
     untempered = None
     if labels is not None and temp != 1.0:  # CE needs the untempered softmax: a second buffer
-        m1 = z.amax(dim=1, keepdim=True)
+        m1 = _row_max(z, shard)
         untempered = torch.sub(z, m1).exp_()
-        total1 = untempered.sum(dim=1)
+        total1 = _row_sum(untempered, shard)
         lse1 = m1.squeeze(1) + total1.log()
-    m, z_ids, tail_sum, total = _softmax_stats(z, ids, temp)
+    m, z_ids, tail_sum, total = _softmax_stats(z, ids, temp, shard)
     if untempered is None and labels is not None:
         total1, lse1 = total, m + total.log()
     log_total = total.log()
@@ -122,17 +189,17 @@ def chunk_step(
         kd = divergence(make_buckets(p, log_p, log_q), spec.beta)
         (u,) = torch.autograd.grad((kd * kd_weight.to(cdt)).sum() * scale, log_q)
     shared_ce = ce_weight.to(cdt) if labels is not None and untempered is None else None
-    _write_grad(z, ids, u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce)
+    _write_grad(z, ids, u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce, shard)
     if labels is not None:
         w = ce_weight.to(cdt)
         if untempered is not None:  # T != 1: add w * softmax(z) from the untempered buffer
             z.add_(untempered.mul_((w / total1).unsqueeze(1)))
-        z.scatter_add_(1, labels, -w.unsqueeze(1))
+        _put(z, labels, -w.unsqueeze(1), shard, accumulate=True)
     return kd.detach() * scale, ce
 
 
 def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tensor, total: Tensor,
-                temp: float, shared_ce: Tensor | None) -> None:
+                temp: float, shared_ce: Tensor | None, shard: VocabShard | None = None) -> None:
     """z holds exp(zT - m) with zeros at ids; turn it into dL/dz (plus w * softmax if shared_ce)."""
     u_sum = u.sum(dim=1)
     safe_tail = torch.where(tail_sum > 0, tail_sum, torch.ones_like(tail_sum))
@@ -143,5 +210,9 @@ def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tens
         dense = dense + shared_ce / total
         at_ids = at_ids + shared_ce.unsqueeze(1) * q_ids
     dense = dense.unsqueeze(1)
+    if shard is not None:
+        z.mul_(dense)
+        _put(z, ids, at_ids, shard)
+        return
     for a, b in row_blocks(z):
         z[a:b].mul_(dense[a:b]).scatter_(1, ids[a:b], at_ids[a:b])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from topkd.loss.chunk import LossSpec, TeacherRows, chunk_step
+from topkd.loss.chunk import LossSpec, TeacherRows, VocabShard, chunk_step
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
@@ -81,8 +81,9 @@ def token_weights(rows: TeacherRows, spec: LossSpec, reduction: str, dtype: torc
     return kd_w, ce_w
 
 
-def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, chunk):
-    """The driver: per-token (kd, ce) losses, and gradients for the inputs flagged in needs."""
+def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, chunk, shard=None):
+    """The driver: per-token (kd, ce) losses, and gradients for the inputs flagged in needs.
+    With a VocabShard, weight and bias are this process's rows and dX is summed over the group."""
     n, cdt = len(rows), compute_dtype(hidden.dtype)
     grads = _Grads(
         hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden)) if needs[0] else None,
@@ -100,12 +101,14 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
         z = _project(x, weight, bias, buf[: end - start])
         kd, ce = chunk_step(z, rows.slice(start, end), spec,
                             kd_w[start:end] if want_grad else None,
-                            None if ce_w is None or not want_grad else ce_w[start:end])
+                            None if ce_w is None or not want_grad else ce_w[start:end], shard)
         kd_tok[start:end] = kd
         if ce_tok is not None:
             ce_tok[start:end] = ce
         if want_grad:
             _spend_grad(z, x, weight, grads, row_index, start, end, first=start == 0)
+    if shard is not None and grads.hidden is not None:  # each process's columns contribute to every dX row
+        shard.all_reduce(grads.hidden, "sum")
     return kd_tok, ce_tok, grads
 
 
@@ -156,13 +159,14 @@ class FusedLinearKD(torch.autograd.Function):
     """autograd wrapper; inputs are the 2-D hidden [N, H] (all rows) and row_index of counted ones."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted):
+    def forward(ctx, hidden, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted,
+                shard: VocabShard | None = None):
         needs = tuple(bool(f) and grad_wanted for f in ctx.needs_input_grad[:3])
         grad_now = any(needs) and reduction != "none"
         kd_w, ce_w = token_weights(rows, spec, reduction, compute_dtype(hidden.dtype)) if grad_now else (None, None)
         kd_tok, ce_tok, grads = run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w,
-                                           needs if grad_now else (False, False, False), chunk)
-        ctx.reduction, ctx.needs = reduction, needs
+                                           needs if grad_now else (False, False, False), chunk, shard)
+        ctx.reduction, ctx.needs, ctx.shard = reduction, needs, shard
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         if reduction == "none" and any(needs):
             ctx.save_for_backward(hidden, weight, bias, row_index)
@@ -176,14 +180,15 @@ class FusedLinearKD(torch.autograd.Function):
         if ctx.reduction == "none":
             hidden, weight, bias, row_index = ctx.saved_tensors
             kd_w, ce_w = token_weights(ctx.rows, ctx.spec, "none", compute_dtype(hidden.dtype), go)
-            grads = run_chunks(hidden, weight, bias, row_index, ctx.rows, ctx.spec, kd_w, ce_w, ctx.needs, ctx.chunk)[2]
+            grads = run_chunks(hidden, weight, bias, row_index, ctx.rows, ctx.spec, kd_w, ce_w, ctx.needs, ctx.chunk,
+                               ctx.shard)[2]
             scale = None
         else:
             grads, scale = ctx.grads, go
             ctx.grads = None  # drop our reference so autograd can adopt the buffers without a copy
         dtypes = ctx.dtypes
         out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), dtypes)]
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)
 
 
 def _finish(grad: Tensor | None, dtype: torch.dtype, scale: Tensor | None) -> Tensor | None:

@@ -54,7 +54,9 @@ def check_numbers(temperature: float, beta: float, ce_weight: float, divergence:
           f"chunk_size: expected None (from the byte budget) or an int >= 1, got {chunk_size!r}")
 
 
-def check_shapes(hidden: Tensor, weight: Tensor, bias, ids: Tensor, logprobs: Tensor, mask, logz, labels) -> None:
+def check_shapes(hidden: Tensor, weight: Tensor, bias, ids: Tensor, logprobs: Tensor, mask, logz, labels,
+                 vocab: int | None = None) -> None:
+    """vocab: the full vocabulary when weight holds only some of its rows (vocab-parallel)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("teacher_ids", ids), ("teacher_logprobs", logprobs)):
         _type(isinstance(t, Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     _type(hidden.dtype in FLOATS, f"hidden: expected a floating dtype {FLOATS}, got {hidden.dtype}")
@@ -63,11 +65,13 @@ def check_shapes(hidden: Tensor, weight: Tensor, bias, ids: Tensor, logprobs: Te
           f"weight: expected [V, {hidden.shape[-1]}] (lm_head.weight, H matching hidden), got {tuple(weight.shape)}")
     _type(weight.dtype == hidden.dtype, f"weight: expected dtype {hidden.dtype} like hidden, got {weight.dtype}; "
           "cast one of them (nothing is upcast silently)")
-    lead, vocab = tuple(hidden.shape[:-1]), weight.shape[0]
+    lead, rows = tuple(hidden.shape[:-1]), weight.shape[0]
+    vocab = vocab or rows
     if bias is not None:
         _type(isinstance(bias, Tensor) and bias.dtype == hidden.dtype,
               f"bias: expected a {hidden.dtype} tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
-        _need(tuple(bias.shape) == (vocab,), f"bias: expected shape ({vocab},), got {tuple(bias.shape)}")
+        _need(tuple(bias.shape) == (rows,), f"bias: expected shape ({rows},) like weight's rows, got "
+              f"{tuple(bias.shape)}")
     _type(not ids.dtype.is_floating_point and ids.dtype != torch.bool and not ids.dtype.is_complex,
           f"teacher_ids: expected an integer dtype, got {ids.dtype}")
     _need(ids.dim() == len(lead) + 1 and tuple(ids.shape[:-1]) == lead,

@@ -75,6 +75,11 @@ class KDStudent(nn.Module):
     def __init__(self, model: nn.Module, teacher_vocab: int, loss_options: dict, activation_checkpointing=False,
                  objective: str = "kd", top_k: int = 0):
         super().__init__()
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        if softcap:
+            raise ValueError(f"student: expected no final logit soft-capping, got final_logit_softcapping={softcap}; "
+                             "the fused loss projects with the lm_head weight alone, so it would train another "
+                             "distribution than the model's; set model.config.final_logit_softcapping = None")
         self.model, self.teacher_vocab, self.loss_options = model, teacher_vocab, loss_options
         self.objective, self.top_k = objective, top_k or None
         if activation_checkpointing:
