@@ -24,6 +24,7 @@ from topkd.cache import manifest as mf
 from topkd.cache.data import check_paths, iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher, split_rows
+from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_ints
 
 
@@ -42,6 +43,8 @@ class CacheBuildConfig:
     text_field: str = "text"
     dtype: str = "float32"
     device: str = "cpu"
+    engine: str = "hf"
+    tensor_parallel: int = 1
 
 
 BUILD_HELP = {
@@ -59,6 +62,9 @@ BUILD_HELP = {
     "text_field": "JSONL field holding the text",
     "dtype": "teacher weights dtype: float32 | bfloat16 | float16 (the lm_head math is always fp32)",
     "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK)",
+    "engine": "hf (transformers, any device, torchrun data-parallel) | vllm (vLLM in its own environment, see "
+              "docs/scale-out.md: one process serving the teacher over --tensor-parallel GPUs; no --temperatures)",
+    "tensor_parallel": "--engine vllm: GPUs the teacher is split across",
 }
 
 
@@ -74,13 +80,25 @@ def check_config(cfg: CacheBuildConfig) -> None:
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype: expected float32 | bfloat16 | float16, got {cfg.dtype!r}")
+    if cfg.engine not in ("hf", "vllm"):
+        raise ValueError(f"engine: expected hf | vllm, got {cfg.engine!r}")
+    require_ints(cfg, ("tensor_parallel",), 1)
+    if cfg.engine == "vllm" and cfg.temperatures:
+        raise ValueError(f"--engine vllm: expected no --temperatures, got {cfg.temperatures}; vLLM returns only the "
+                         "top-K, so c_T over the full vocabulary cannot be computed; use --engine hf, or train with "
+                         "--tail renorm (needs no c_T)")
+    if cfg.engine == "vllm" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("--engine vllm: expected one process (vLLM runs its own tensor-parallel workers), got "
+                         f"WORLD_SIZE={os.environ['WORLD_SIZE']}; run it without torchrun, one build per node "
+                         "with its own --out, or use --engine hf under torchrun")
 
 
 def build(cfg: CacheBuildConfig) -> dict:
     """Build (or resume) the cache in cfg.out; returns the manifest."""
     check_config(cfg)
-    rank, world = dist.init(cfg.device)
-    teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device))
+    rank, world = dist.init(cfg.device) if cfg.engine == "hf" else (0, 1)
+    teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
+        VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
     fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
     build_info = _build_info(cfg, teacher)
     build_hash = mf.json_sha256({"fingerprint": fingerprint, "build": build_info})
@@ -128,8 +146,10 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
     return n_shards
 
 
-def _teacher_rows(teacher: Teacher, group, cfg: CacheBuildConfig) -> list[dict]:
+def _teacher_rows(teacher: Teacher | VLLMTeacher, group, cfg: CacheBuildConfig) -> list[dict]:
     """Teacher top-K rows for each sequence of a shard, batching sequences of equal length."""
+    if isinstance(teacher, VLLMTeacher):
+        return teacher.sequence_rows(group)
     out: list[dict | None] = [None] * len(group)
     by_len: dict[int, list[int]] = {}
     for i, s in enumerate(group):

@@ -1,0 +1,130 @@
+"""Teacher through vLLM (`topkd cache build --engine vllm`): the same rows, the same shards.
+
+    teacher = VLLMTeacher("path/to/hf_model_dir", k=100, tensor_parallel=8)
+    rows = teacher.sequence_rows(sequences)       # one dict per packed sequence, as Teacher.topk_rows gives
+
+vLLM scores prompts, not packed sequences with per-document attention, so every document piece of a
+sequence is sent as its own prompt (exactly the context the HF engine gives it: positions restart,
+no attention across documents) and the pieces' rows are laid back end to end. For a prompt of L
+tokens, vLLM returns prompt_logprobs: None at position 0, then at position t a dict {token id:
+Logprob(logprob, rank)} over token t given tokens < t, holding the top-K plus, when the actual token
+is outside the top-K, one extra entry with rank > K (dropped here). Our row t is p(x_{t+1} | x_<=t),
+so rows 0..L-2 come from prompt_logprobs[1:], and row L-1 (the token after the piece) from the
+logprobs of one greedily generated token. Settings that make this exact: max_logprobs >= K (vLLM
+refuses more), prefix caching off (a cached prefix has no prompt logprobs), detokenize off.
+
+Differences from the HF engine (both recorded in the fingerprint's "engine"): vLLM gives only the
+top-K, so the tail mass is log(1 - top-K mass), not summed directly, and c_T for tempered bucket KD
+cannot be computed (--temperatures is refused; renorm KD at any T, and bucket KD at T=1, work).
+
+vLLM is not a pip extra of topkd: every vLLM release pins torch and an older transformers than
+topkd's pins (vllm 0.32.0: torch==2.13.0 but transformers<5.20), so it lives in its own environment
+(docs/scale-out.md gives the commands). Tested without vLLM on vLLM-shaped outputs
+(tests/cache/test_vllm_engine.py).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from topkd.cache.teacher import ALIGNMENT, ATTENTION, tokenizer_hash
+
+TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
+
+
+def rows_from_prompt(prompt_ids: list[int], prompt_logprobs: list, next_logprobs: dict, k: int) -> dict:
+    """One prompt's vLLM output -> rows [L, K] like Teacher.topk_rows (ids, logprobs, log_mass, log_tail, logz)."""
+    if len(prompt_logprobs) != len(prompt_ids) or (prompt_ids and prompt_logprobs[0] is not None):
+        raise ValueError(f"vLLM output: expected prompt_logprobs of length {len(prompt_ids)} starting with None, "
+                         f"got length {len(prompt_logprobs)}; was prompt_logprobs=K set and prefix caching off?")
+    entries = list(prompt_logprobs[1:]) + [next_logprobs]
+    ids = np.empty((len(entries), k), np.int32)
+    logprobs = np.empty((len(entries), k), np.float32)
+    for t, entry in enumerate(entries):
+        top = sorted((v.rank, -v.logprob, int(tid)) for tid, v in entry.items() if v.rank <= k)
+        if len(top) != k:
+            raise ValueError(f"vLLM output: expected {k} entries ranked 1..{k} at row {t}, got {len(top)} of "
+                             f"{len(entry)}; set max_logprobs >= K and prompt_logprobs=K")
+        ids[t] = [tid for _, _, tid in top]
+        logprobs[t] = [-neg for _, neg, _ in top]
+    log_mass = np.logaddexp.reduce(logprobs.astype(np.float64), axis=1)
+    with np.errstate(divide="ignore"):  # a top-K holding all the mass leaves a zero tail: the floor
+        tail = np.log(-np.expm1(np.minimum(log_mass, 0.0)))
+    return {"ids": ids, "logprobs": logprobs, "log_mass": log_mass.astype(np.float32),
+            "log_tail": np.maximum(tail, TAIL_FLOOR).astype(np.float32), "logz": np.zeros((len(entries), 0), np.float32)}
+
+
+def document_pieces(tokens: np.ndarray, doc_starts: np.ndarray) -> list[np.ndarray]:
+    """The sequence cut at its document starts: each piece is one prompt."""
+    bounds = sorted({0, *(int(s) for s in doc_starts)}) + [len(tokens)]
+    return [tokens[a:e] for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
+
+
+class VLLMTeacher:
+    """A teacher served by vLLM in this process (tensor-parallel over `tensor_parallel` GPUs)."""
+
+    def __init__(self, source: str, k: int, dtype: str = "bfloat16", tensor_parallel: int = 1, max_len: int = 4096,
+                 gpu_memory_utilization: float = 0.9):
+        if not os.path.isdir(source):
+            raise ValueError(f"--engine vllm: expected a Hugging Face model directory, got {source!r}")
+        try:
+            import vllm
+        except ImportError as e:
+            raise ValueError("--engine vllm: expected vLLM, got no vllm module; vLLM pins its own torch and "
+                             "transformers, so install it in a separate environment (docs/scale-out.md), or use "
+                             "--engine hf") from e
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.source, self.k, self.dtype, self.vllm = source, k, dtype, vllm
+        self.tokenizer = AutoTokenizer.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source)
+        self.vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+        self.llm = vllm.LLM(model=source, dtype=dtype, tensor_parallel_size=tensor_parallel, max_logprobs=k,
+                            enable_prefix_caching=False, max_model_len=max_len + 1,
+                            gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True)
+        self.params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
+                                          detokenize=False)
+
+    def sequence_rows(self, sequences: list) -> list[dict[str, np.ndarray]]:
+        """Rows for packed sequences (topkd.cache.data.Sequence), one vLLM call for all their pieces."""
+        pieces = [document_pieces(np.asarray(s.tokens), s.doc_starts) for s in sequences]
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for ps in pieces for p in ps]
+        outputs = iter(self.llm.generate(prompts, self.params, use_tqdm=False))
+        rows = []
+        for ps in pieces:
+            parts = [_rows_of(next(outputs), self.k) for _ in ps]
+            rows.append({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
+        return rows
+
+    def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
+        import topkd
+
+        return {"teacher": self.source, "weights_sha256": files_hash(self.source),
+                "config_sha256": _file_sha256(os.path.join(self.source, "config.json")),
+                "tokenizer_sha256": tokenizer_hash(self.tokenizer), "dtype": self.dtype, "vocab_size": self.vocab,
+                "k": k, "temperatures": list(temperatures), "engine": f"vllm {self.vllm.__version__}",
+                "topkd_version": topkd.__version__, "alignment": ALIGNMENT, "attention": ATTENTION}
+
+
+def _rows_of(output, k: int) -> dict[str, np.ndarray]:
+    return rows_from_prompt(list(output.prompt_token_ids), list(output.prompt_logprobs), output.outputs[0].logprobs[0],
+                            k)
+
+
+def files_hash(model_dir: str) -> str:
+    """sha256 over the weight files' names, sizes and safetensors headers: a 100B teacher is not re-read."""
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            h.update(f"{os.path.basename(path)}:{os.path.getsize(path)}:".encode() + f.read(size))
+    return h.hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()
