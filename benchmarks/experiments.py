@@ -1,19 +1,23 @@
-"""Small-scale experiments on SmolLM2 + Shakespeare: online vs offline, impls, tail x K, divergences.
+"""Small-scale experiments on SmolLM2 + Shakespeare: online vs offline, impls, tail x K, divergences, packing.
 
-    python benchmarks/experiments.py --demo runs/demo --which fourway,tail_k,divergence \
+    python benchmarks/experiments.py --demo runs/demo --which fourway,tail_k,divergence,packing \
         --out benchmarks/results/experiments
 
 Reuses what `topkd demo` built in --demo (teacher directory, top-100 cache of the plays, held-out
 Hamlet cache, the untrained 4-layer student). Every run is a fresh `topkd train` process from
 the same student, data, seed and steps (so its peak memory is its own), then scored on held-out
 Hamlet: KL(teacher || student) (bucket, and renormalised on the top-K), top-1 agreement, bits
-per byte. Writes experiments.json, report.txt and one loss-curve plot per experiment.
+per byte. The packing experiment trains on short documents instead (every speech of the training
+plays is one JSONL document, in a seeded order; its own top-100 cache) and is scored on Hamlet's
+speeches. Writes experiments.json (rerunning one experiment keeps the others), report.txt and one
+loss-curve plot per experiment.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -28,41 +32,97 @@ EXPERIMENTS = {
     "tail_k": {f"k{k}-{tail}": ["--top-k", str(k), "--tail", tail] for k in (1, 8, 32, 100)
                for tail in ("bucket", "renorm")},
     "divergence": {d: ["--divergence", d] for d in ("kl", "reverse_kl", "jsd", "tvd")},
+    "packing": {"packed-doc-mask": ["--packing", "documents"], "packed-cross-doc": ["--packing", "cross"],
+                "unpacked": ["--packing", "none"], "unpacked-same-tokens": ["--packing", "none"],
+                "unpacked-same-tokens-steps": ["--packing", "none"]},
 }
 
 
-def train_run(args, name: str, flags: list[str]) -> str:
+def train_run(args, name: str, flags: list[str], cache: str = "") -> str:
     out = os.path.join(args.out, "runs", name)
     if os.path.exists(os.path.join(out, "final", "config.json")):
         return out
     plays, _ = split_texts(args.texts or default_texts())
     data = ["--teacher", os.path.join(args.demo, "teacher"), "--data", *plays, "--max-sequences",
             str(args.sequences), "--seq-len", str(args.seq_len)] if "--online-k" in flags else \
-        ["--cache", os.path.join(args.demo, "cache")]
+        ["--cache", cache or os.path.join(args.demo, "cache")]
     cmd = [sys.executable, "-m", "topkd.cli", "train", *data, "--student", os.path.join(args.demo, "student-init"),
-           "--out", out, "--steps", str(args.steps), "--batch-size", "4", "--lr", "5e-4", "--warmup-steps", "8",
-           "--checkpoint-every", "0", *flags]
+           "--out", out, "--steps", str(args.steps), "--batch-size", "4", "--lr", "5e-4",
+           "--warmup-steps", "8", "--checkpoint-every", "0", *flags]
     print("==", name, " ".join(flags), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     return out
 
 
-def score(args, name: str, run_dir: str) -> dict:
+def score(args, name: str, run_dir: str, heldout: tuple[str, str] | None = None) -> dict:
+    """Held-out scores of a finished run; heldout = (text file, its cache), by default the demo's Hamlet."""
     path = os.path.join(run_dir, "eval.json")
     if not os.path.exists(path):
-        _, hamlet = split_texts(args.texts or default_texts())
-        run_eval(EvalConfig(model=os.path.join(run_dir, "final"), name=name, text=[hamlet], seq_len=args.seq_len,
-                            max_tokens=args.heldout_tokens, cache=os.path.join(args.demo, "heldout-cache"), out=path))
+        text, cache = heldout or (split_texts(args.texts or default_texts())[1], os.path.join(args.demo,
+                                                                                                "heldout-cache"))
+        run_eval(EvalConfig(model=os.path.join(run_dir, "final"), name=name, text=[text], seq_len=args.seq_len,
+                            max_tokens=args.heldout_tokens, cache=cache, out=path))
     result = json.load(open(path))["result"]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     params = _params(os.path.join(run_dir, "final"))
     step_s = statistics.median(r["seconds"] for r in rows[1:] or rows)
     tokens = statistics.median(r["tokens"] for r in rows)
-    return {"name": name, "kl_bucket": result["vs_teacher"]["kl_bucket"], "kl_renorm": result["vs_teacher"]["kl_renorm"],
+    return {"name": name, "steps": len(rows), "tokens_per_s": sum(r["tokens"] for r in rows[1:]) / max(
+                sum(r["seconds"] for r in rows[1:]), 1e-9), "train_tokens": sum(r["tokens"] for r in rows),
+            "kl_bucket": result["vs_teacher"]["kl_bucket"], "kl_renorm": result["vs_teacher"]["kl_renorm"],
             "top1": result["vs_teacher"]["top1_agreement"], "bits_per_byte": result["text"]["bits_per_byte"],
             "peak_gib": max(r["peak_gib"] for r in rows), "step_s": step_s,
             "gflops": 6 * params * tokens / step_s / 1e9, "final_loss": rows[-1]["loss"],
             "curve": [r["loss"] for r in rows]}
+
+
+def speeches(paths: list[str], out: str, seed: int = 0) -> str:
+    """Every speech (blank-line separated block) of the plays as one JSONL document, in a seeded order."""
+    if not os.path.exists(out):
+        docs = [block.strip() for path in paths for block in open(path, encoding="utf-8").read().split("\n\n")
+                if block.strip()]
+        random.Random(seed).shuffle(docs)
+        with open(out + ".tmp", "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+        os.replace(out + ".tmp", out)
+    return out
+
+
+def packing_runs(args) -> list[dict]:
+    """Packed with document masking, packed attending across documents, one document per sample (same steps and
+    batch; as many steps as it takes to see the packed run's tokens; the same steps with a batch as many times
+    larger): same student, speeches, top-100 cache."""
+    from topkd.cache import CacheBuildConfig, build
+
+    work = os.path.join(args.out, "runs", "packing-data")
+    os.makedirs(work, exist_ok=True)
+    plays, hamlet = split_texts(args.texts or default_texts())
+    data = {"train": speeches(plays, os.path.join(work, "speeches.jsonl")),
+            "heldout": speeches([hamlet], os.path.join(work, "hamlet-speeches.jsonl"))}
+    caches = {}
+    for part, seqs in (("train", args.sequences), ("heldout", args.heldout_tokens // args.seq_len)):
+        caches[part] = os.path.join(work, f"{part}-cache")
+        build(CacheBuildConfig(teacher=os.path.join(args.demo, "teacher"), data=[data[part]], out=caches[part],
+                               seq_len=args.seq_len, k=100, max_sequences=seqs))
+    rows, flags = [], EXPERIMENTS["packing"]
+    for name in ("packed-doc-mask", "packed-cross-doc", "unpacked"):
+        run = train_run(args, "packing-" + name, flags[name], cache=caches["train"])
+        rows.append({**score(args, name, run, (data["heldout"], caches["heldout"])), "flags": flags[name]})
+    ratio = rows[0]["train_tokens"] / rows[2]["train_tokens"]
+    for name, extra in (("unpacked-same-tokens", ["--steps", str(round(args.steps * ratio))]),
+                        ("unpacked-same-tokens-steps", ["--batch-size", str(round(4 * ratio))])):
+        run = train_run(args, "packing-" + name, flags[name] + extra, cache=caches["train"])
+        rows.append({**score(args, name, run, (data["heldout"], caches["heldout"])), "flags": flags[name] + extra})
+    return rows
+
+
+def packing_table(rows: list[dict]) -> str:
+    head = f"{'run':<22}{'steps':>6}{'tokens':>9}{'tok/s':>8}{'KL bucket':>10}{'top-1':>7}{'bits/B':>8}{'step s':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['name']:<22}{r['steps']:>6}{r['train_tokens']:>9}{r['tokens_per_s']:>8.0f}"
+                     f"{r['kl_bucket']:>10.4f}{r['top1']:>7.3f}{r['bits_per_byte']:>8.4f}{r['step_s']:>8.2f}")
+    return "\n".join(lines)
 
 
 def _params(model_dir: str) -> int:
@@ -122,6 +182,16 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     plt.close(fig)
 
 
+def standard_runs(args, which: str) -> list[dict]:
+    shared = {"kl": "offline-fused", "k100-bucket": "offline-fused"}  # the same run under another name
+    rows = []
+    for name, flags in EXPERIMENTS[which].items():
+        run = train_run(args, shared.get(name, name), flags if name not in shared else
+                        EXPERIMENTS["fourway"]["offline-fused"])
+        rows.append({**score(args, name, run), "flags": flags})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", default="runs/demo", help="a finished `topkd demo` directory")
@@ -134,24 +204,26 @@ def main() -> None:
     p.add_argument("--heldout-tokens", type=int, default=8192)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    results, lines = {"stamp": stamp("cpu"), "args": vars(args)}, []
+    path = os.path.join(args.out, "experiments.json")
+    results = json.load(open(path)) if os.path.exists(path) else {}
     for which in args.which.split(","):
-        shared = {"kl": "offline-fused", "k100-bucket": "offline-fused"}  # the same run under another name
-        rows = []
-        for name, flags in EXPERIMENTS[which].items():
-            run = train_run(args, shared.get(name, name), flags if name not in shared else
-                            EXPERIMENTS["fourway"]["offline-fused"])
-            rows.append({**score(args, name, run), "flags": flags})
-        results[which] = rows
-        lines += [f"## {which}", table(rows)] + (fourway_claims(rows) if which == "fourway" else []) + [""]
-        plot(rows, f"{which}: SmolLM2-135M -> 4 layers, Shakespeare, {args.steps} steps", os.path.join(
+        if which not in EXPERIMENTS:
+            raise SystemExit(f"--which: expected names from {sorted(EXPERIMENTS)}, got {which!r}")
+        results[which] = packing_runs(args) if which == "packing" else standard_runs(args, which)
+        results.setdefault("stamps", {})[which] = {"stamp": stamp("cpu"), "args": vars(args)}
+        plot(results[which], f"{which}: SmolLM2-135M -> 4 layers, Shakespeare, {args.steps} steps", os.path.join(
             args.out, f"{which}.png"))
-    s = results["stamp"]
-    text = f"stamp: {s['machine']}, torch {s['torch']}, commit {s['commit']}, {s['date']}\n\n" + "\n".join(lines)
+    lines = []
+    for which in [w for w in EXPERIMENTS if w in results]:
+        s, rows = results["stamps"][which]["stamp"], results[which]
+        lines += [f"## {which}  ({s['machine']}, torch {s['torch']}, commit {s['commit']}, {s['date']})",
+                  packing_table(rows) if which == "packing" else table(rows)]
+        lines += (fourway_claims(rows) if which == "fourway" else []) + [""]
+    text = "\n".join(lines)
     print(text)
     with open(os.path.join(args.out, "report.txt"), "w") as f:
         f.write(text)
-    with open(os.path.join(args.out, "experiments.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
 
 

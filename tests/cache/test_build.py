@@ -128,6 +128,20 @@ def test_two_process_build_equals_one_process(teacher_dir, long_text, tmp_path):
     assert _shard_digests(two) == _shard_digests(one) and len(_shard_digests(one)) == 9
 
 
+def test_parts_build_their_own_shards_and_a_last_run_writes_the_manifest(teacher_dir, text_file, built_cache,
+                                                                        tmp_path, monkeypatch):
+    out = tmp_path / "parts"
+    for part in (1, 0):
+        assert build(cache_config(teacher_dir, text_file, out, part=part, parts=2)) == {}
+        assert not (out / "manifest.json").exists()
+    written = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.safetensors")}
+    build_module = sys.modules["topkd.cache.build"]  # the package's `build` attribute is the function
+    monkeypatch.setattr(build_module, "_teacher_rows", lambda *a: pytest.fail("a finished shard was recomputed"))
+    build(cache_config(teacher_dir, text_file, out))
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.safetensors")} == written
+    assert _shard_digests(out) == _shard_digests(built_cache)
+
+
 def test_finished_build_reruns_as_a_no_op_and_refuses_another_build(built_cache, teacher_dir, text_file, tmp_path):
     before = os.path.getmtime(os.path.join(built_cache, "manifest.json"))
     manifest = build(cache_config(teacher_dir, text_file, built_cache))
@@ -146,7 +160,9 @@ def test_unfinished_cache_of_another_build_is_refused(teacher_dir, text_file, tm
 @pytest.mark.parametrize("field,value,match", [("k", 0, "k: expected"), ("seq_len", 0, "seq_len"),
                                                ("codec", "zip", "codec"), ("temperatures", [0.0], "temperatures"),
                                                ("dtype", "int8", "dtype"), ("data", [], "at least one file"),
-                                               ("data", ["nope.txt"], "existing file")])
+                                               ("data", ["nope.txt"], "existing file"),
+                                               ("engine", "tgi", "engine: expected hf | vllm"),
+                                               ("part", 2, "expected 0 <= part < parts=1")])
 def test_bad_build_settings_are_refused(teacher_dir, text_file, tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         build(cache_config(teacher_dir, text_file, tmp_path / "c", **{field: value}))

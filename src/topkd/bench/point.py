@@ -57,13 +57,16 @@ class PeakMemory:
 
 
 def teacher_rows(n: int, vocab: int, k: int, device, seed: int = 0):
-    """Synthetic top-K rows (ids int32, log-probs fp32, sorted), built a block at a time."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Synthetic top-K rows (ids int32, log-probs fp32, sorted), built a block at a time on the device
+    (on a GPU, drawing 256K x 201K normals on the CPU would take minutes)."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.empty(n, k, dtype=torch.int32, device=device)
     logprobs = torch.empty(n, k, dtype=torch.float32, device=device)
-    for start in range(0, n, 512):
-        end = min(start + 512, n)
-        logits = torch.randn(end - start, vocab, generator=g) * 3
+    block = 512 if device.type == "cpu" else 8192
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        logits = torch.randn(end - start, vocab, generator=g, device=device) * 3
         top = torch.log_softmax(logits, -1).topk(k, dim=-1)
         ids[start:end], logprobs[start:end] = top.indices.to(torch.int32), top.values
     return ids, logprobs
@@ -102,6 +105,8 @@ def step_fn(impl: str, inputs: dict):
         peer = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False)
         return lambda: peer(x, w, inputs["xt"], inputs["wt"], inputs["labels"]).backward()
     if impl == "torch_lce":
+        if not hasattr(torch.nn.functional, "linear_cross_entropy"):  # recorded as "unavailable"
+            raise ImportError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
         return lambda: torch.nn.functional.linear_cross_entropy(x, w, inputs["labels"]).backward()
     raise ValueError(f"impl: expected one of {KD_IMPLS + PEERS}, got {impl!r}")
 

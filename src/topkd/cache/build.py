@@ -45,6 +45,8 @@ class CacheBuildConfig:
     device: str = "cpu"
     engine: str = "hf"
     tensor_parallel: int = 1
+    part: int = 0
+    parts: int = 1
 
 
 BUILD_HELP = {
@@ -65,6 +67,9 @@ BUILD_HELP = {
     "engine": "hf (transformers, any device, torchrun data-parallel) | vllm (vLLM in its own environment, see "
               "docs/scale-out.md: one process serving the teacher over --tensor-parallel GPUs; no --temperatures)",
     "tensor_parallel": "--engine vllm: GPUs the teacher is split across",
+    "part": "with --parts W: this build writes shards j with j mod W == part (one machine of a fleet)",
+    "parts": "independent builds sharing --out (e.g. one per node, any scheduler); when all are done, rerun with "
+             "--parts 1 to write the manifest (finished shards are kept, not recomputed)",
 }
 
 
@@ -82,7 +87,9 @@ def check_config(cfg: CacheBuildConfig) -> None:
         raise ValueError(f"dtype: expected float32 | bfloat16 | float16, got {cfg.dtype!r}")
     if cfg.engine not in ("hf", "vllm"):
         raise ValueError(f"engine: expected hf | vllm, got {cfg.engine!r}")
-    require_ints(cfg, ("tensor_parallel",), 1)
+    require_ints(cfg, ("tensor_parallel", "parts"), 1)
+    if not 0 <= cfg.part < cfg.parts:
+        raise ValueError(f"part: expected 0 <= part < parts={cfg.parts}, got {cfg.part}")
     if cfg.engine == "vllm" and cfg.temperatures:
         raise ValueError(f"--engine vllm: expected no --temperatures, got {cfg.temperatures}; vLLM returns only the "
                          "top-K, so c_T over the full vocabulary cannot be computed; use --engine hf, or train with "
@@ -90,7 +97,7 @@ def check_config(cfg: CacheBuildConfig) -> None:
     if cfg.engine == "vllm" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("--engine vllm: expected one process (vLLM runs its own tensor-parallel workers), got "
                          f"WORLD_SIZE={os.environ['WORLD_SIZE']}; run it without torchrun, one build per node "
-                         "with its own --out, or use --engine hf under torchrun")
+                         "with --part/--parts, or use --engine hf under torchrun")
 
 
 def build(cfg: CacheBuildConfig) -> dict:
@@ -106,8 +113,12 @@ def build(cfg: CacheBuildConfig) -> dict:
     if existing is not None:
         return existing
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)
-    n_shards = _build_shards(teacher, cfg, build_hash, rank, world)
+    n_shards = _build_shards(teacher, cfg, build_hash, cfg.part * world + rank, cfg.parts * world)
     dist.barrier()
+    if cfg.parts > 1:
+        print(f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to write "
+              "the manifest", flush=True)
+        return {}
     if rank != 0:
         return {}
     sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
