@@ -1,10 +1,17 @@
-"""Shared fixtures: one tiny random teacher, a text file, and a small cache built from them (session-wide)."""
-import json
+"""Shared fixtures: one tiny random teacher, a text file, and a small cache built from them (session-wide).
 
-import pytest
+Triton kernels run on this CPU-only suite through Triton's interpreter, which must be chosen before
+triton is first imported (tests/loss/test_triton.py)."""
+import os
 
-from tests.cache.tiny import make_teacher, make_text
-from topkd.cache import CacheBuildConfig, TopKCache, build
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.cache.tiny import make_teacher, make_text  # noqa: E402
+from topkd.cache import CacheBuildConfig, TopKCache, build  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,10 @@ def test_gpu_script_smoke_runs_every_step(tmp_path):
     env = {**os.environ, "GPU_SMOKE": "1", "OUT": str(tmp_path), "PY": os.path.join(ROOT, ".venv", "bin", "python")}
     subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh")], cwd=ROOT, env=env, check=True, timeout=900)
     check = json.load(open(tmp_path / "check.json"))
-    assert len(check["impls"]) == 12 and all(row["pass"] for row in check["impls"])
+    assert len(check["impls"]) == 16 and all(row["pass"] for row in check["impls"])
     assert check["gemm"]["tflops"] > 0
     points = json.load(open(tmp_path / "loss" / "loss.json"))["points"]
-    assert {p["impl"] for p in points} == {"fused", "chunked", "liger_jsd", "torch_lce"}
+    assert {p["impl"] for p in points} == {"fused", "triton", "chunked", "liger_jsd", "torch_lce"}
     assert all(p["status"] == "ok" for p in points)
     targets = json.load(open(tmp_path / "targets.json"))["targets"]
     assert targets[0]["pass"] and any("faster than chunked" in t["target"] for t in targets)

@@ -30,7 +30,7 @@ def logprobs_with(value):
 REFUSALS = [
     (dict(divergence="kld"), ValueError, "divergence: expected one of"),
     (dict(tail="spread"), ValueError, "tail: expected one of"),
-    (dict(impl="triton"), ValueError, "impl: expected one of"),
+    (dict(impl="cuda"), ValueError, "impl: expected one of"),
     (dict(reduction="avg"), ValueError, "reduction: expected one of"),
     (dict(divergence="reverse_kl", tail="renorm"), ValueError, "use tail='bucket'"),
     (dict(temperature=0.0), ValueError, "temperature: expected a finite number > 0"),

@@ -3,7 +3,7 @@
     python -m topkd.bench.gpu check --out runs/gpu/check.json             # impls in bf16 vs a float32 reference
     python -m topkd.bench.gpu targets --loss runs/gpu/loss/loss.json --check runs/gpu/check.json
 
-check: every KD impl (fused, chunked, dense) runs forward+backward on the device in bf16 at the paper's
+check: every KD impl (fused, triton, chunked, dense) runs forward+backward on the device in bf16 at the paper's
 vocabulary and hidden size (odd N, 10% masked, CE mixed in) for every divergence; loss, dX and dW are
 compared with the float32 dense loss on the same bf16-rounded inputs (relative L2 error; PASS <= 2e-2,
 the bf16 tolerance of tests/loss/test_low_precision.py). Then the bf16 GEMM rate of the projection
@@ -23,6 +23,7 @@ import topkd
 from topkd.bench.point import teacher_rows
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd", "tvd")
+IMPLS = ("fused", "triton", "chunked", "dense")
 BF16_TOLERANCE = 2e-2
 
 
@@ -44,7 +45,7 @@ def check_impls(device: str, n: int, vocab: int, hidden: int, k: int) -> list[di
     out = []
     for divergence in DIVERGENCES:
         want = _loss_and_grads(x0, w0, torch.float32, rows, "dense", divergence)
-        for impl in ("fused", "chunked", "dense"):
+        for impl in IMPLS:
             got = _loss_and_grads(x0, w0, torch.bfloat16, rows, impl, divergence)
             errs = {name: float((a - b).norm() / b.norm().clamp_min(1e-30))
                     for name, a, b in zip(("loss", "d_hidden", "d_weight"), got, want)}
@@ -93,10 +94,13 @@ def judge(loss_rows: list[dict], check: dict) -> list[dict]:
         achieved = r["flops"] / r["time_s"] / 1e12
         out.append({"target": f"fused >= 75% of bf16 GEMM ({rate:.0f} TFLOP/s) at {n}", "value": achieved / rate,
                     "pass": achieved >= 0.75 * rate})
-        chunked = ok.get(("chunked", n))
+        chunked, kernel = ok.get(("chunked", n)), ok.get(("triton", n))
         if chunked:
             out.append({"target": f"fused faster than chunked at {n}", "value": chunked["time_s"] / r["time_s"],
                         "pass": r["time_s"] < chunked["time_s"]})
+        if kernel:  # the Triton path is judged by the same targets; users pick the faster
+            out.append({"target": f"triton >= 75% of bf16 GEMM at {n}", "pass": kernel["flops"] / kernel["time_s"]
+                        / 1e12 >= 0.75 * rate, "value": kernel["flops"] / kernel["time_s"] / 1e12 / rate})
     return out
 
 

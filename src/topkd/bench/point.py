@@ -26,6 +26,7 @@ from topkd.loss.chunk import LossSpec
 from topkd.loss.fused import chunk_rows
 
 KD_IMPLS = ("fused", "chunked", "dense")
+GPU_IMPLS = ("triton",)  # fused with Triton kernels: CUDA only, so never in a CPU sweep's defaults
 PEERS = ("liger_jsd", "torch_lce")
 
 
@@ -77,7 +78,7 @@ def make_inputs(impl: str, n: int, vocab: int, hidden: int, k: int, dtype, devic
     x = torch.randn(n, hidden, generator=g).to(device, dtype).requires_grad_()
     w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(device, dtype).requires_grad_()
     inputs = {"x": x, "w": w}
-    if impl in KD_IMPLS:
+    if impl in KD_IMPLS + GPU_IMPLS:
         inputs["ids"], inputs["logprobs"] = teacher_rows(n, vocab, k, device)
     elif impl == "liger_jsd":
         inputs["xt"] = torch.randn(n, hidden, generator=g).to(device, dtype)
@@ -98,7 +99,7 @@ def floor_bytes(inputs: dict) -> int:
 def step_fn(impl: str, inputs: dict):
     """A closure running one forward+backward."""
     x, w = inputs["x"], inputs["w"]
-    if impl in KD_IMPLS:
+    if impl in KD_IMPLS + GPU_IMPLS:
         return lambda: topkd.fused_linear_kd(x, w, inputs["ids"], inputs["logprobs"], impl=impl).backward()
     if impl == "liger_jsd":
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
@@ -108,7 +109,7 @@ def step_fn(impl: str, inputs: dict):
         if not hasattr(torch.nn.functional, "linear_cross_entropy"):  # recorded as "unavailable"
             raise ImportError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
         return lambda: torch.nn.functional.linear_cross_entropy(x, w, inputs["labels"]).backward()
-    raise ValueError(f"impl: expected one of {KD_IMPLS + PEERS}, got {impl!r}")
+    raise ValueError(f"impl: expected one of {KD_IMPLS + GPU_IMPLS + PEERS}, got {impl!r}")
 
 
 def three_gemm_step(x: torch.Tensor, w: torch.Tensor, chunk: int):
@@ -176,7 +177,7 @@ def _fresh_grads(step, inputs) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--impl", required=True, choices=KD_IMPLS + PEERS)
+    p.add_argument("--impl", required=True, choices=KD_IMPLS + GPU_IMPLS + PEERS)
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--hidden", type=int, default=512)

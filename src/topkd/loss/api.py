@@ -7,6 +7,8 @@ T=1 over the full teacher vocabulary). See docs/loss.md for the math and every o
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
@@ -41,15 +43,19 @@ def fused_linear_kd(
     plus CE averaged over counted tokens with a label != -100; "sum": sums; "none": per
     token, shaped like hidden[..., 0], zero where masked. Masked tokens cost no FLOPs; an
     all-masked batch gives 0 with zero gradients. The loss is fp32 for low-precision inputs.
-    impl: "fused" (default, never forms [N, V]), "chunked" or "dense" (baselines).
+    impl: "fused" (default, never forms [N, V]), "chunked" or "dense" (baselines), "triton" (fused, with
+    the full-width per-chunk passes as Triton kernels; CUDA).
     chunk_size: rows per chunk; default from a 256 MiB budget for the chunk's logits.
     """
     validate.check_names(divergence, tail, impl, reduction)
+    if impl == "triton":
+        validate.check_triton(hidden.dtype, ce_weight, float(temperature))
     x, row_index, rows, spec, chunk = prepare(
         hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels,
         dict(divergence=divergence, tail=tail, temperature=temperature, beta=beta, ce_weight=ce_weight),
         chunk_size, weight.shape[0])
-    if impl == "fused":
+    if impl in ("fused", "triton"):
+        spec = dataclasses.replace(spec, kernel="triton" if impl == "triton" else "torch")
         grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted)
     else:

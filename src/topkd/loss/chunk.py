@@ -36,6 +36,7 @@ class LossSpec:
     beta: float = 0.5
     ce_weight: float = 0.0
     full_support: bool = False  # K == V: the teacher tail is exactly zero
+    kernel: str = "torch"  # "triton": the two full-width passes as Triton kernels (topkd.loss.triton_chunk)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,10 @@ BLOCK_BYTES = 2**20  # elementwise passes walk the chunk in row blocks this size
 
 
 def row_blocks(z: Tensor) -> list[tuple[int, int]]:
-    """(start, end) row ranges of about BLOCK_BYTES each: elementwise passes per block stay in L2."""
+    """(start, end) row ranges of about BLOCK_BYTES each: elementwise passes per block stay in L2.
+    On a GPU one block: a kernel launch per row would cost more than the L2 reuse saves."""
+    if z.device.type != "cpu":
+        return [(0, z.shape[0])]
     rows = max(1, BLOCK_BYTES // (z.shape[1] * z.element_size()))
     return [(r, min(r + rows, z.shape[0])) for r in range(0, z.shape[0], rows)]
 
@@ -169,7 +173,12 @@ def chunk_step(
         untempered = torch.sub(z, m1).exp_()
         total1 = _row_sum(untempered, shard)
         lse1 = m1.squeeze(1) + total1.log()
-    m, z_ids, tail_sum, total = _softmax_stats(z, ids, temp, shard)
+    if spec.kernel == "triton":  # z is left as raw logits with -inf at the ids; tail_grad finishes it
+        from topkd.loss import triton_chunk
+
+        m, z_ids, tail_sum, total = triton_chunk.softmax_stats(z, ids, temp)
+    else:
+        m, z_ids, tail_sum, total = _softmax_stats(z, ids, temp, shard)
     if untempered is None and labels is not None:
         total1, lse1 = total, m + total.log()
     log_total = total.log()
@@ -189,7 +198,8 @@ def chunk_step(
         kd = divergence(make_buckets(p, log_p, log_q), spec.beta)
         (u,) = torch.autograd.grad((kd * kd_weight.to(cdt)).sum() * scale, log_q)
     shared_ce = ce_weight.to(cdt) if labels is not None and untempered is None else None
-    _write_grad(z, ids, u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce, shard)
+    _write_grad(z, ids, u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce, shard,
+                m if spec.kernel == "triton" else None)
     if labels is not None:
         w = ce_weight.to(cdt)
         if untempered is not None:  # T != 1: add w * softmax(z) from the untempered buffer
@@ -199,7 +209,8 @@ def chunk_step(
 
 
 def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tensor, total: Tensor,
-                temp: float, shared_ce: Tensor | None, shard: VocabShard | None = None) -> None:
+                temp: float, shared_ce: Tensor | None, shard: VocabShard | None = None,
+                triton_max: Tensor | None = None) -> None:
     """z holds exp(zT - m) with zeros at ids; turn it into dL/dz (plus w * softmax if shared_ce)."""
     u_sum = u.sum(dim=1)
     safe_tail = torch.where(tail_sum > 0, tail_sum, torch.ones_like(tail_sum))
@@ -209,6 +220,11 @@ def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tens
     if shared_ce is not None:  # T == 1: softmax(z) = q, so CE's w * q folds into the same terms
         dense = dense + shared_ce / total
         at_ids = at_ids + shared_ce.unsqueeze(1) * q_ids
+    if triton_max is not None:
+        from topkd.loss import triton_chunk
+
+        triton_chunk.grad_write(z, triton_max, dense, ids, at_ids, temp)
+        return
     dense = dense.unsqueeze(1)
     if shard is not None:
         z.mul_(dense)

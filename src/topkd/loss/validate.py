@@ -13,7 +13,7 @@ from torch import Tensor
 
 from topkd.loss.divergences import DIVERGENCES, TAILS
 
-IMPLS = ("fused", "chunked", "dense")
+IMPLS = ("fused", "chunked", "dense", "triton")
 REDUCTIONS = ("mean", "sum", "none")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOGPROB_SLACK = 1e-4  # log-probs above this are not log-probs (rounding gives ~1e-7)
@@ -143,6 +143,18 @@ def _duplicate_rows(ids: Tensor) -> int:
         return 0
     s = ids.sort(dim=-1).values
     return int((s[:, 1:] == s[:, :-1]).any(dim=-1).sum())
+
+
+def check_triton(dtype: torch.dtype, ce_weight: float, temperature: float) -> None:
+    """impl="triton" covers what its kernels compute; everything else is refused with the remedy."""
+    from topkd.loss import triton_chunk
+
+    problem = triton_chunk.available()
+    _need(problem is None, f"impl='triton': {problem}")
+    _need(dtype != torch.float64, "impl='triton': expected fp32/bf16/fp16 inputs (the kernels compute in fp32), "
+          "got float64; use impl='fused'")
+    _need(not (ce_weight > 0 and temperature != 1.0), f"impl='triton': hard-label CE at temperature={temperature} "
+          "needs a second, untempered softmax the kernels do not compute; use impl='fused', or ce_weight=0")
 
 
 def check_temperature_tail(tail: str, temperature: float, has_logz: bool) -> None:

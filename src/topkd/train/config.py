@@ -75,7 +75,7 @@ TRAIN_HELP = {
     "top_k": "distil from only the first N of the cache's top-K (its N most likely tokens; 0: all K)",
     "objective": "kd (distil from the teacher rows, + ce_weight x CE) | ce (hard-label CE only on the same tokens: "
                  "the no-teacher baseline)",
-    "impl": "loss implementation: fused | chunked | dense (for comparisons)",
+    "impl": "loss implementation: fused | triton (fused with Triton kernels; CUDA) | chunked | dense (comparisons)",
     "autocast_bf16": "run the student body under bf16 autocast",
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
     "loader_workers": "processes decoding the cache ahead of training (0: decode in the training process; "
