@@ -15,6 +15,7 @@ loss-curve plot per experiment.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -73,7 +74,7 @@ def score(args, name: str, run_dir: str, heldout: tuple[str, str] | None = None)
             "top1": result["vs_teacher"]["top1_agreement"], "bits_per_byte": result["text"]["bits_per_byte"],
             "peak_gib": max(r["peak_gib"] for r in rows), "step_s": step_s,
             "gflops": 6 * params * tokens / step_s / 1e9, "final_loss": rows[-1]["loss"],
-            "curve": [r["loss"] for r in rows]}
+            "curve": [r["loss"] for r in rows], "curve_tokens": list(itertools.accumulate(r["tokens"] for r in rows))}
 
 
 def speeches(paths: list[str], out: str, seed: int = 0) -> str:
@@ -117,10 +118,10 @@ def packing_runs(args) -> list[dict]:
 
 
 def packing_table(rows: list[dict]) -> str:
-    head = f"{'run':<22}{'steps':>6}{'tokens':>9}{'tok/s':>8}{'KL bucket':>10}{'top-1':>7}{'bits/B':>8}{'step s':>8}"
+    head = f"{'run':<28}{'steps':>6}{'tokens':>9}{'tok/s':>8}{'KL bucket':>10}{'top-1':>7}{'bits/B':>8}{'step s':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['name']:<22}{r['steps']:>6}{r['train_tokens']:>9}{r['tokens_per_s']:>8.0f}"
+        lines.append(f"{r['name']:<28}{r['steps']:>6}{r['train_tokens']:>9}{r['tokens_per_s']:>8.0f}"
                      f"{r['kl_bucket']:>10.4f}{r['top1']:>7.3f}{r['bits_per_byte']:>8.4f}{r['step_s']:>8.2f}")
     return "\n".join(lines)
 
@@ -162,7 +163,7 @@ def fourway_claims(rows: list[dict]) -> list[str]:
             f"offline impl ({fused['step_s']:.2f} s/step)"]
 
 
-def plot(rows: list[dict], title: str, path: str) -> None:
+def plot(rows: list[dict], title: str, path: str, by_tokens: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,8 +171,9 @@ def plot(rows: list[dict], title: str, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in rows:
-        ax.plot(range(1, len(r["curve"]) + 1), r["curve"], label=f"{r['name']} (KL {r['kl_bucket']:.3f})", lw=1.2)
-    ax.set_xlabel("step")
+        x = r["curve_tokens"] if by_tokens else range(1, len(r["curve"]) + 1)
+        ax.plot(x, r["curve"], label=f"{r['name']} (KL {r['kl_bucket']:.3f})", lw=1.0)
+    ax.set_xlabel("training tokens (counted)" if by_tokens else "step")
     ax.set_ylabel("training loss per counted token")
     ax.set_yscale("log")
     ax.set_title(title, fontsize=9)
@@ -195,7 +197,8 @@ def standard_runs(args, which: str) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", default="runs/demo", help="a finished `topkd demo` directory")
-    p.add_argument("--which", default="fourway,tail_k,divergence")
+    p.add_argument("--which", default="fourway,tail_k,divergence,packing")
+    p.add_argument("--report-only", action="store_true", help="rewrite report.txt from experiments.json, run nothing")
     p.add_argument("--out", default="benchmarks/results/experiments")
     p.add_argument("--texts", default="")
     p.add_argument("--steps", type=int, default=48)
@@ -206,25 +209,41 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "experiments.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
-    for which in args.which.split(","):
+    for which in [] if args.report_only else args.which.split(","):
         if which not in EXPERIMENTS:
             raise SystemExit(f"--which: expected names from {sorted(EXPERIMENTS)}, got {which!r}")
         results[which] = packing_runs(args) if which == "packing" else standard_runs(args, which)
         results.setdefault("stamps", {})[which] = {"stamp": stamp("cpu"), "args": vars(args)}
-        plot(results[which], f"{which}: SmolLM2-135M -> 4 layers, Shakespeare, {args.steps} steps", os.path.join(
-            args.out, f"{which}.png"))
-    lines = []
-    for which in [w for w in EXPERIMENTS if w in results]:
-        s, rows = results["stamps"][which]["stamp"], results[which]
-        lines += [f"## {which}  ({s['machine']}, torch {s['torch']}, commit {s['commit']}, {s['date']})",
-                  packing_table(rows) if which == "packing" else table(rows)]
-        lines += (fourway_claims(rows) if which == "fourway" else []) + [""]
-    text = "\n".join(lines)
+        plot(results[which], f"{which}: SmolLM2-135M -> 4 layers, Shakespeare", os.path.join(args.out, f"{which}.png"),
+             by_tokens=which == "packing")
+    text = report(results)
     print(text)
     with open(os.path.join(args.out, "report.txt"), "w") as f:
         f.write(text)
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
+
+
+def report(results: dict) -> str:
+    """report.txt from experiments.json: one stamped table per experiment."""
+    lines = []
+    for which in [w for w in EXPERIMENTS if w in results]:
+        s, rows = results["stamps"][which]["stamp"], results[which]
+        lines += [f"## {which}  ({s['machine']}, torch {s['torch']}, commit {s['commit']}, {s['date']})",
+                  packing_table(rows) if which == "packing" else table(rows)]
+        lines += (fourway_claims(rows) if which == "fourway" else packing_summary(rows) if which == "packing"
+                  else []) + [""]
+    return "\n".join(lines)
+
+
+def packing_summary(rows: list[dict]) -> list[str]:
+    by = {r["name"]: r for r in rows}
+    packed, cross, same = by["packed-doc-mask"], by["packed-cross-doc"], by["unpacked-same-tokens-steps"]
+    return [f"equal tokens and steps: packed+doc-mask KL {packed['kl_bucket']:.4f} vs unpacked "
+            f"{same['kl_bucket']:.4f} ({same['kl_bucket'] / packed['kl_bucket'] - 1:+.1%}), tokens/s "
+            f"{packed['tokens_per_s'] / same['tokens_per_s']:.2f}x",
+            f"attending across documents: KL {cross['kl_bucket'] / packed['kl_bucket'] - 1:+.1%}, tokens/s "
+            f"{cross['tokens_per_s'] / packed['tokens_per_s']:.2f}x of doc-mask"]
 
 
 if __name__ == "__main__":
