@@ -28,7 +28,7 @@ BF16_TOLERANCE = 2e-2
 
 
 def _loss_and_grads(x0, w0, dtype, rows, impl, divergence):
-    x, w = x0.to(dtype).requires_grad_(), w0.to(dtype).requires_grad_()
+    x, w = (t.detach().to(dtype, copy=True).requires_grad_() for t in (x0, w0))  # fresh leaves per call
     loss = topkd.fused_linear_kd(x, w, rows["ids"], rows["logprobs"], mask=rows["mask"], labels=rows["labels"],
                                  ce_weight=0.1, divergence=divergence, impl=impl)
     loss.backward()
