@@ -56,15 +56,20 @@ def fused_linear_kd(
         chunk_size, weight.shape[0])
     if impl in ("fused", "triton"):
         spec = dataclasses.replace(spec, kernel="triton" if impl == "triton" else "torch")
-        grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-        loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted)
+        return run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, hidden.shape[:-1])
+    counted = x if row_index is None else x.index_select(0, row_index)
+    if impl == "chunked":
+        loss = chunked_linear_kd(counted, weight, bias, rows, spec, reduction, chunk)
     else:
-        counted = x if row_index is None else x.index_select(0, row_index)
-        if impl == "chunked":
-            loss = chunked_linear_kd(counted, weight, bias, rows, spec, reduction, chunk)
-        else:
-            loss = dense_linear_kd(counted, weight, bias, rows, spec, reduction)
+        loss = dense_linear_kd(counted, weight, bias, rows, spec, reduction)
     return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(hidden.shape[:-1])
+
+
+def run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, lead, shard=None) -> Tensor:
+    """The fused driver under autograd on prepare()'s outputs; "none" is scattered back to shape `lead`."""
+    grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted, shard)
+    return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(lead)
 
 
 def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options: dict,

@@ -10,6 +10,7 @@ and the softmax sums are combined with all_reduce (topkd.loss.chunk.VocabShard),
 computes the same buckets and returns the same loss. dL/dhidden is summed over the group inside the
 loss (every process gets the full gradient of its replicated input); dL/dweight_shard is this
 process's rows only. Per chunk: 4 small all_reduces ([C] or [C, K]); logits never cross processes.
+Per call, one all_gather of 5 ints checks that the shards tile the vocabulary and the processes agree.
 Tested against the single-process loss with 2 gloo processes (tests/loss/test_vocab_parallel.py).
 """
 from __future__ import annotations
@@ -19,9 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from topkd.loss import validate
-from topkd.loss.api import prepare, scatter_tokens
+from topkd.loss.api import prepare, run_fused
 from topkd.loss.chunk import VocabShard
-from topkd.loss.fused import FusedLinearKD
 
 
 def vocab_parallel_linear_kd(
@@ -47,44 +47,32 @@ def vocab_parallel_linear_kd(
 ) -> Tensor:
     """fused_linear_kd for a vocab-sharded lm_head; teacher ids and labels are global vocabulary ids."""
     validate.check_names(divergence, tail, "fused", reduction)
-    shard = VocabShard(int(vocab_start), int(weight_shard.shape[0]) if weight_shard.dim() == 2 else 0,
-                       int(vocab_size), group)
-    check_tiling(shard)
+    if not dist.is_initialized():
+        raise ValueError("vocab_parallel_linear_kd: expected an initialised torch.distributed process group, got "
+                         "none; call torch.distributed.init_process_group (torchrun) first, or use fused_linear_kd")
     x, row_index, rows, spec, chunk = prepare(
         hidden, weight_shard, bias_shard, teacher_ids, teacher_logprobs, mask, teacher_logz, labels,
         dict(divergence=divergence, tail=tail, temperature=temperature, beta=beta, ce_weight=ce_weight),
         chunk_size, vocab_size)
-    counted = torch.tensor([len(rows), chunk], dtype=torch.int64)
-    _need_same(counted, group, "the counted tokens and chunk size", "pass the same hidden, mask and chunk_size "
-               "to every process")
-    grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                  for t in (x, weight_shard, bias_shard))
-    loss = FusedLinearKD.apply(x, weight_shard, bias_shard, row_index, rows, spec, reduction, chunk, grad_wanted,
-                               shard)
-    return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(hidden.shape[:-1])
+    shard = VocabShard(int(vocab_start), weight_shard.shape[0], int(vocab_size), group)
+    check_group(shard, len(rows), chunk)
+    return run_fused(x, weight_shard, bias_shard, row_index, rows, spec, reduction, chunk, hidden.shape[:-1], shard)
 
 
-def check_tiling(shard: VocabShard) -> None:
-    """Refuse shards that leave gaps, overlap, or disagree on the vocabulary (one all_gather of 3 ints)."""
-    if not dist.is_initialized():
-        raise ValueError("vocab_parallel_linear_kd: expected an initialised torch.distributed process group, got "
-                         "none; call torch.distributed.init_process_group (torchrun) first, or use fused_linear_kd")
-    mine = torch.tensor([shard.start, shard.size, shard.vocab], dtype=torch.int64)
+def check_group(shard: VocabShard, counted: int, chunk: int) -> None:
+    """One all_gather of 5 ints: refuse shards that leave gaps, overlap or disagree on the vocabulary, and
+    processes that disagree on the counted tokens or chunk size (their collectives would not line up)."""
+    mine = torch.tensor([shard.start, shard.size, shard.vocab, counted, chunk], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(shard.group))]
     dist.all_gather(every, mine, group=shard.group)
-    spans = sorted((int(s), int(n)) for s, n, _ in every)
-    vocabs = {int(v) for _, _, v in every}
+    spans = sorted((int(e[0]), int(e[1])) for e in every)
+    vocabs = {int(e[2]) for e in every}
     edges = [0] + [s + n for s, n in spans]
     if len(vocabs) != 1 or any(s != e for (s, _), e in zip(spans, edges)) or edges[-1] != shard.vocab:
         raise ValueError(f"vocab shards: expected (start, rows) spans tiling [0, {shard.vocab}) once across the "
                          f"group, got {spans} with vocab sizes {sorted(vocabs)}; give process r rows "
                          "[r * V / P, (r + 1) * V / P) of lm_head.weight and the same vocab_size everywhere")
-
-
-def _need_same(values: Tensor, group, what: str, remedy: str) -> None:
-    low, high = values.clone(), values.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(low, high):
-        raise ValueError(f"vocab-parallel loss: expected {what} to be equal on every process, got {values.tolist()} "
-                         f"here and a range [{low.tolist()}, {high.tolist()}] across the group; {remedy}")
+    work = sorted({(int(e[3]), int(e[4])) for e in every})
+    if len(work) != 1:
+        raise ValueError(f"vocab-parallel loss: expected the same (counted tokens, chunk size) on every process, "
+                         f"got {work}; pass the same hidden, mask and chunk_size to every process")
