@@ -34,6 +34,7 @@ demo: $(STAMP) $(ASSETS)/.done
 	.venv/bin/topkd demo --out runs/demo
 
 test: $(STAMP)
+	.venv/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
 
 test-slow: $(STAMP) $(EVAL_STAMP) $(ASSETS)/.done

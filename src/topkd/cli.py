@@ -43,7 +43,8 @@ BENCH_HELP = {
     "no_huge_pages": "time without THP_MEM_ALLOC_ENABLE=1 (torch huge-page CPU allocator; memory never uses it)",
     "report_only": "re-print the table and targets of the run stored in --out, measuring nothing",
 }
-MANY_VALUES = {"data", "text", "choices"}  # list flags that take space-separated values (shell globs); others are comma-separated
+# list flags that take space-separated values (shell globs); others are comma-separated
+MANY_VALUES = {"data", "text", "choices"}
 
 
 def _list_of(kind):

@@ -174,7 +174,8 @@ def make_report(cfg: DemoConfig, scores: dict, timings: dict) -> dict:
                        "tokens": sum(r["tokens"] for r in rows(name)), "curve": [r["loss"] for r in rows(name)]}
                 for name in ("student-kd", "student-ce")}
     cache = TopKCache(os.path.join(cfg.out, "cache"))
-    return {"config": asdict(cfg), "stamp": stamp("cpu"), "cache": {"bytes_per_token": cache.manifest["totals"]["bytes_per_token"],
+    totals = cache.manifest["totals"]
+    return {"config": asdict(cfg), "stamp": stamp("cpu"), "cache": {"bytes_per_token": totals["bytes_per_token"],
                                              "tokens": cache.tokens, "k": cache.k, "build_s": timings.get("cache")},
             "training": training, "models": scores,
             "timings_s": {k: v for k, v in timings.items() if not k.startswith("_")}}

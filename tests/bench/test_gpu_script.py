@@ -29,7 +29,8 @@ def test_targets_are_judged_from_the_points():
     check = {"impls": [{"pass": True}], "gemm": {"tflops": 800.0}}
     points = [{"impl": "fused", "tokens": 32768, "status": "ok", "peak_bytes": 4.5 * 2**30, "time_s": 1.0,
                "flops": 700e12},
-              {"impl": "chunked", "tokens": 32768, "status": "ok", "peak_bytes": 9 * 2**30, "time_s": 1.2, "flops": 700e12},
+              {"impl": "chunked", "tokens": 32768, "status": "ok", "peak_bytes": 9 * 2**30, "time_s": 1.2,
+               "flops": 700e12},
               {"impl": "fused", "tokens": 262144, "status": "ok", "peak_bytes": 12 * 2**30, "time_s": 10.0,
                "flops": 5600e12}]
     verdict = {t["target"]: t["pass"] for t in judge(points, check)}

@@ -114,3 +114,15 @@ def test_shard_round_trip_at_large_vocabularies(tmp_path, codec_name, vocab):
         by_id = lambda ids, lp: np.take_along_axis(lp, np.argsort(ids, 1), 1)  # noqa: E731
         assert np.abs(by_id(got.ids, got.logprobs) - by_id(seq.ids, seq.logprobs)).max() < 0.5
         assert np.all(np.diff(got.logprobs, axis=1) <= 0) and got.token_offset == 5 * s
+
+
+def test_per_token_scale_keeps_far_down_entries_at_their_depth():
+    """A sharp row (entries 40-60 nats below the top-1) keeps its depth; a normal row keeps scale COMPAND."""
+    lp = np.array([[-1e-6, -40.0, -52.0, -60.0], [-0.5, -1.5, -2.0, -4.0]])
+    scales = codec.row_scales(lp)
+    assert scales.dtype == np.float16 and scales[1] == codec.COMPAND and scales[0] * np.log(255) >= 60.0
+    mass = np.log(np.exp(lp).sum(1))
+    decoded = codec.dequantise_logprobs(codec.quantise_logprobs(lp, scales), mass, scales).astype(np.float64)
+    assert np.abs(decoded[0] - lp[0]).max() < 1.0 and np.abs(decoded[1] - lp[1]).max() < 0.02
+    clamped = codec.dequantise_logprobs(codec.quantise_logprobs(lp), mass)  # version 1: one fixed scale
+    assert clamped[0, -1] > -17.0

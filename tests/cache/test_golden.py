@@ -10,9 +10,9 @@ import pytest
 from topkd.cache.shard import FORMAT_VERSION, ShardReader, TeacherSequence, encode_shard, write_shard
 
 GOLDEN_SHA256 = {
-    "rice": "e5cb202a05b36da961ee4aa13f94ffd1aca8edc77a3bdfbcef2e12e600637458",
-    "rice-zstd": "9fcdd1ebc41a2ea47e73112c4da5b6f9742102c3abba7637f3f9ce920dce8fb9",
-    "packed": "e54b7b9216eb4f5ace8e7c407ece6054dac5108cc4653830adc3fb3266d98c6c",
+    "rice": "80a142e0fe84c415a58ba4fb4224779aa21c01d8eea5a976df45125edc85ec52",
+    "rice-zstd": "272be60580715ebec65e0fdbdb018e598accc6c9e7ec5099868e96bd8cf26506",
+    "packed": "83980a9b4902f3a8f3b5f6c6a7a0edcdb8d3766ef9fa20387a289895a975a406",
 }
 
 
@@ -24,13 +24,16 @@ def golden_sequences():
     seq = lambda a, b, src, starts: TeacherSequence(  # noqa: E731
         input_ids=np.array([5, 6, 7])[a:b], ids=ids[a:b], logprobs=lp[a:b], log_mass=mass[a:b].astype(np.float32),
         log_tail=tail[a:b].astype(np.float32), logz=np.full((b - a, 1), 0.25, np.float32),
-        doc_starts=np.array(starts), source_index=src, token_offset=a)
+        doc_starts=np.array(starts), source_index=src, token_offset=a,
+        log_mass_t=np.full((b - a, 1), -0.125, np.float32))
     return [seq(0, 2, 0, [0, 1]), seq(2, 3, 1, [0])]
 
 
 @pytest.mark.parametrize("codec_name", ["rice-zstd", "rice", "packed"])
 def test_golden_shard_bytes(tmp_path, codec_name):
-    arrays, meta = encode_shard(golden_sequences(), vocab=300, codec_name=codec_name)
+    identity = {"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"}
+    arrays, meta = encode_shard(golden_sequences(), vocab=300, codec_name=codec_name, identity=identity,
+                                temperatures=(2.0,))
     path = tmp_path / "s.safetensors"
     write_shard(str(path), arrays, meta)
     data = path.read_bytes()
@@ -38,7 +41,10 @@ def test_golden_shard_bytes(tmp_path, codec_name):
     header = json.loads(data[8:8 + header_len])
     a, b = header["meta_json"]["data_offsets"]
     meta = json.loads(data[8 + header_len + a:8 + header_len + b])
-    assert meta["format_version"] == str(FORMAT_VERSION) == "1" and "__metadata__" not in header
+    assert meta["format_version"] == str(FORMAT_VERSION) == "2" and "__metadata__" not in header
+    assert (meta["build_hash"], meta["shard"], meta["sequences"], meta["temperatures"]) == ("ab" * 32, "0", "0,2",
+                                                                                          "[2.0]")
+    assert header["lp_scale"]["dtype"] == "F16" and header["log_mass_t"]["shape"] == [3, 1]
     assert meta["codec"] == codec_name and meta["k"] == "3" and meta["vocab"] == "300"
     if codec_name != "rice-zstd":
         assert header["lp_codes"] == {"dtype": "U8", "shape": [3, 3],

@@ -165,6 +165,7 @@ def test_shard_rows_that_disagree_with_the_manifest_are_refused(cache_copy):
     path = os.path.join(cache_copy, "manifest.json")
     manifest = json.load(open(path))
     manifest["shards"][0]["tokens"] += 1
+    manifest["totals"]["tokens"] += 1  # consistent totals: only the shard's own rows can tell
     json.dump(manifest, open(path, "w"))
     with pytest.raises(CacheError, match="do not match the sidecar's"):
         TopKCache(str(cache_copy))

@@ -21,7 +21,8 @@ def make_text(n_words: int, seed: int) -> str:
     return "\n".join(lines + [" ".join(line)]) + "\n"
 
 
-def make_teacher(path: str, vocab: int = 1000, hidden: int = 32, layers: int = 2, seed: int = 0) -> str:
+def make_teacher(path: str, vocab: int = 1000, hidden: int = 32, layers: int = 2, seed: int = 0,
+                 head_scale: float = 40.0) -> str:
     """Save a random LlamaForCausalLM + BPE tokenizer (trained on make_text) to `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -39,7 +40,7 @@ def make_teacher(path: str, vocab: int = 1000, hidden: int = 32, layers: int = 2
                          eos_token_id=fast.eos_token_id, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # a peaked, teacher-like output distribution instead of a near-uniform one
-        model.lm_head.weight.mul_(40.0)
+        model.lm_head.weight.mul_(head_scale)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     fast.save_pretrained(path)

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from topkd.cache.teacher import load_teacher
 from topkd.eval import EvalConfig
 from topkd.eval.choice import evaluate_choices, load_choice_file, score_item
-from topkd.cache.teacher import load_teacher
 from topkd.eval.run import run_eval
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,8 @@ metric_list:
 
 @pytest.fixture
 def local_task(tmp_path):
-    rows = [{"question": f"What is {WORDS[i % 12]} like?", "choices": [WORDS[(i + j * 5) % 12] for j in range(2 + i % 3)],
+    rows = [{"question": f"What is {WORDS[i % 12]} like?",
+             "choices": [WORDS[(i + j * 5) % 12] for j in range(2 + i % 3)],
              "answer": i % (2 + i % 3)} for i in range(24)]
     data = tmp_path / "local_choice.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

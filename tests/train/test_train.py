@@ -136,7 +136,8 @@ def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_p
     student = load_student(cfg, cache)
     opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
     sliced = KDStudent(student.model, cache.vocab_size, opts, top_k=4)(batch)
-    narrow = {**batch, "teacher_ids": batch["teacher_ids"][..., :4], "teacher_logprobs": batch["teacher_logprobs"][..., :4]}
+    narrow = {**batch, "teacher_ids": batch["teacher_ids"][..., :4],
+              "teacher_logprobs": batch["teacher_logprobs"][..., :4]}
     assert torch.equal(sliced, KDStudent(student.model, cache.vocab_size, opts)(narrow))
     with pytest.raises(ValueError, match="at most the teacher rows' K=16"):
         train(config(built_cache, tmp_path / "big", top_k=17))

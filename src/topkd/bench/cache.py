@@ -62,7 +62,7 @@ def run_cache_bench(cfg: CacheBenchConfig) -> dict:
               "vocab": teacher.vocab, "timing": timing, "codecs": {}}
     exact = [_teacher_sequence(s, r) for s, r in zip(seqs, rows)]
     for name in CODECS:
-        result["codecs"][name] = _size_and_fidelity(exact, teacher.vocab, name, cfg.out)
+        result["codecs"][name] = _size_and_fidelity(exact, teacher.vocab, name, cfg.out, tuple(cfg.temperatures))
     result["id_gap_entropy_bits"] = _gap_entropy(exact)
     result["naive_bytes_per_token"] = 6 * cfg.k
     result["targets"] = _targets(result)
@@ -97,7 +97,7 @@ def _time_build(teacher, seqs, cfg) -> tuple[dict, list[dict]]:
             flat, t_head = _timed(lambda: head_topk(h, weight, bias, cfg.k, temps))
             t["head_gemm_s"] += _timed(lambda: _gemm_only(h, weight))[1]
         per_seq = split_rows(flat, len(batch), ids.shape[1])
-        t["encode_write_s"] += _timed(lambda: _encode_write(batch, per_seq, teacher.vocab, cfg.out))[1]
+        t["encode_write_s"] += _timed(lambda: _encode_write(batch, per_seq, teacher.vocab, cfg.out, temps))[1]
         t["body_s"], t["head_s"] = t["body_s"] + t_body, t["head_s"] + t_head
         rows.extend(per_seq)
     os.remove(os.path.join(cfg.out, "timing.safetensors"))
@@ -123,13 +123,14 @@ def _gemm_only(h, w) -> None:
         torch.mm(x, w.t(), out=buf[: len(x)])
 
 
-def _encode_write(batch, per_seq, vocab, out) -> None:
-    arrays, meta = encode_shard([_teacher_sequence(s, r) for s, r in zip(batch, per_seq)], vocab=vocab)
+def _encode_write(batch, per_seq, vocab, out, temperatures) -> None:
+    arrays, meta = encode_shard([_teacher_sequence(s, r) for s, r in zip(batch, per_seq)], vocab=vocab,
+                                temperatures=temperatures)
     write_shard(os.path.join(out, "timing.safetensors"), arrays, meta)
 
 
-def _size_and_fidelity(exact, vocab: int, name: str, out: str) -> dict:
-    arrays, meta = encode_shard(exact, vocab=vocab, codec_name=name)
+def _size_and_fidelity(exact, vocab: int, name: str, out: str, temperatures: tuple[float, ...]) -> dict:
+    arrays, meta = encode_shard(exact, vocab=vocab, codec_name=name, temperatures=temperatures)
     path = os.path.join(out, f"sample-{name}.safetensors")
     nbytes = write_shard(path, arrays, meta)
     reader = ShardReader(path)

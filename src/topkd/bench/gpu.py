@@ -123,7 +123,8 @@ def main(argv=None) -> None:
     if a.cmd == "check":
         result = {"impls": check_impls(a.device, a.tokens, a.vocab, a.hidden, a.k),
                   "gemm": gemm_rate(a.device, a.gemm_tokens, a.vocab, a.hidden),
-                  "torch": torch.__version__, "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device}
+                  "torch": torch.__version__,
+                  "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device}
     else:
         loss = json.load(open(a.loss))
         result = {"targets": judge(loss["points"], json.load(open(a.check)))}

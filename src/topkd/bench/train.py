@@ -174,7 +174,8 @@ def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None
         series[impl] = ([r["tokens"] for r in ok], [r["process_peak_gib"] for r in ok], [r["step_s"] for r in timed])
         oom[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r["status"] == "oom"]
     plot_vs_length(series, oom, ("peak process memory (GiB); x: OOM", "training step (s)"),
-                   f"training step, {cfg.shape}-shaped student ({cfg.layers} layers, V={SHAPES[cfg.shape][2]['vocab_size']:,}), "
+                   f"training step, {cfg.shape}-shaped student ({cfg.layers} layers, "
+                   f"V={SHAPES[cfg.shape][2]['vocab_size']:,}), "
                    f"{meta['machine']} "
                    f"({meta['commit']})", path, oom_level=cfg.mem_limit_gib)
 

@@ -155,12 +155,16 @@ def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None
                                     log_tail=np.log1p(-np.exp(mass)).astype(np.float32),
                                     logz=np.zeros((rows, 0), np.float32), doc_starts=np.array([0]),
                                     source_index=i, token_offset=i * rows))
-    arrays, meta = encode_shard(seqs, vocab=vocab, codec_name="rice-zstd")
-    nbytes = write_shard(mf.shard_path(root, 0), arrays, meta)
-    side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, "synthetic")
     fingerprint = {"teacher": "synthetic", "vocab_size": vocab, "k": K, "temperatures": [],
-                   "tokenizer_sha256": "synthetic"}
-    mf.write_manifest(root, fingerprint, {"seq_len": rows, "codec": "rice-zstd", "separator": None}, [side])
+                   "tokenizer_sha256": "synthetic", "dtype": "float32", "engine": "synthetic",
+                   "alignment": "row t holds p(x_{t+1} | x_<=t)"}
+    build = {"seq_len": rows, "codec": "rice-zstd", "separator": None, "data": []}
+    build_hash = mf.build_hash(fingerprint, build)
+    arrays, meta = encode_shard(seqs, vocab=vocab, codec_name="rice-zstd",
+                                identity={"build_hash": build_hash, "shard": 0, "sequences": f"0,{n_seqs}"})
+    nbytes = write_shard(mf.shard_path(root, 0), arrays, meta)
+    side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, build_hash)
+    mf.write_manifest(root, fingerprint, build, [side])
 
 
 def main(argv=None) -> None:

@@ -9,6 +9,8 @@ The manifest is written last by rank 0; a cache without it is refused by the rea
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import itertools
 import os
@@ -101,31 +103,65 @@ def check_config(cfg: CacheBuildConfig) -> None:
 
 
 def build(cfg: CacheBuildConfig) -> dict:
-    """Build (or resume) the cache in cfg.out; returns the manifest."""
+    """Build (or resume, or repair) the cache in cfg.out; returns the manifest."""
     check_config(cfg)
     rank, world = dist.init(cfg.device) if cfg.engine == "hf" else (0, 1)
-    teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
-        VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
-    fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
-    build_info = _build_info(cfg, teacher)
-    build_hash = mf.json_sha256({"fingerprint": fingerprint, "build": build_info})
-    existing = _finished(cfg.out, build_hash)
-    if existing is not None:
-        return existing
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)
-    n_shards = _build_shards(teacher, cfg, build_hash, cfg.part * world + rank, cfg.parts * world)
-    dist.barrier()
-    if cfg.parts > 1:
-        print(f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to write "
-              "the manifest", flush=True)
-        return {}
-    if rank != 0:
-        return {}
-    sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
-    missing = [j for j, s in enumerate(sidecars) if s is None]
-    if missing:
-        raise mf.CacheError(f"shards {missing[:10]} are missing or failed verification; rerun the same command")
-    return mf.write_manifest(cfg.out, fingerprint, build_info, sidecars)
+    with build_lock(cfg.out, f"{cfg.part}-{rank}"):
+        teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
+            VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
+        fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
+        build_info = _build_info(cfg, teacher)
+        build_hash = mf.build_hash(fingerprint, build_info)
+        if rank == 0 and cfg.part == 0:
+            _check_or_repair(cfg.out, build_hash)  # leaves manifest.json only when complete and verified
+        dist.barrier()
+        existing = _finished(cfg.out, build_hash)
+        if existing is not None:
+            print(f"cache build: {cfg.out} is already complete and verified ({existing['totals']['shards']} shards, "
+                  f"{existing['totals']['tokens']} tokens); nothing to do", flush=True)
+            return existing
+        n_shards = _build_shards(teacher, cfg, build_hash, cfg.part * world + rank, cfg.parts * world)
+        dist.barrier()
+        if cfg.parts > 1:
+            print(f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to "
+                  "write the manifest", flush=True)
+            return {}
+        if rank != 0:
+            return {}
+        sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
+        missing = [j for j, s in enumerate(sidecars) if s is None]
+        if missing:
+            raise mf.CacheError(f"shards {missing[:10]} are missing or failed verification; rerun the same command")
+        manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars)
+    totals = manifest["totals"]
+    print(f"cache build: wrote {totals['shards']} shards, {totals['sequences']} sequences, {totals['tokens']} "
+          f"tokens, {totals['bytes'] / 1e6:.2f} MB ({totals['bytes_per_token']:.1f} bytes/token) to {cfg.out}",
+          flush=True)
+    return manifest
+
+
+@contextlib.contextmanager
+def build_lock(out: str, who: str):
+    """One build process per (part, rank) of an --out: a second identical build is refused at once, never
+    left to delete or overwrite the first one's files. flock is released by the kernel when a process dies."""
+    path = os.path.join(out, f".build-{who}.lock")
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            raise mf.CacheError(f"{out}: another build is writing there (process {holder} holds {path}); wait for it "
+                                "to finish, or build into another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int) -> int:
@@ -142,11 +178,12 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
         if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
             bar.update(tokens if j % world == rank else 0)
             continue
-        for path in (mf.shard_path(cfg.out, j), mf.sidecar_path(cfg.out, j)):
-            for stale in glob.glob(path + ".tmp-*"):
-                os.remove(stale)  # a temp file left by a killed run: never renamed, so never trusted
+        _remove_stale_temps(cfg.out, j)
         rows = [_teacher_sequence(s, r) for s, r in zip(group, _teacher_rows(teacher, group, cfg))]
-        arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec)
+        first = group[0].index
+        identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
+        arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
+                                    temperatures=tuple(cfg.temperatures))
         nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
         mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash)
         written += nbytes
@@ -179,7 +216,8 @@ def _teacher_rows(teacher: Teacher | VLLMTeacher, group, cfg: CacheBuildConfig) 
 def _teacher_sequence(seq, rows: dict) -> TeacherSequence:
     return TeacherSequence(input_ids=seq.tokens, ids=rows["ids"], logprobs=rows["logprobs"],
                            log_mass=rows["log_mass"], log_tail=rows["log_tail"], logz=rows["logz"],
-                           doc_starts=seq.doc_starts, source_index=seq.index, token_offset=seq.token_offset)
+                           doc_starts=seq.doc_starts, source_index=seq.index, token_offset=seq.token_offset,
+                           log_mass_t=rows.get("log_mass_t"))
 
 
 def _batched(iterable, n: int):
@@ -196,8 +234,28 @@ def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
     return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}
 
 
+def _remove_stale_temps(out: str, j: int) -> None:
+    """Temp files of shard j left by a killed run (never renamed, so never trusted); a live process's are kept."""
+    for path in (mf.shard_path(out, j), mf.sidecar_path(out, j)):
+        for stale in glob.glob(path + ".tmp-*"):
+            pid = stale.rsplit("-", 1)[-1]
+            if not (pid.isdigit() and _alive(int(pid))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stale)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
 def _finished(root: str, build_hash: str) -> dict | None:
-    """The manifest if this exact build already finished; a different finished build is refused."""
+    """The manifest if this exact build finished; a different finished build is refused."""
     if not os.path.exists(os.path.join(root, mf.MANIFEST)):
         return None
     manifest = mf.load_manifest(root)
@@ -206,3 +264,30 @@ def _finished(root: str, build_hash: str) -> dict | None:
                             "differ); use a new --out directory, or delete it to rebuild")
     return manifest
 
+
+def _check_or_repair(root: str, build_hash: str) -> None:
+    """A finished cache of this build whose every shard verifies is left as it is. A different finished build is
+    refused; a damaged manifest, or a deleted, truncated, corrupt or swapped shard, is set up for repair (the
+    bad files and the manifest removed), so the build redoes just those shards."""
+    path = os.path.join(root, mf.MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        manifest = mf.load_manifest(root)
+    except mf.CacheError as e:
+        print(f"cache build: {e}; repairing: the manifest is rewritten from the verified shards", flush=True)
+        os.remove(path)
+        return
+    if manifest["build_hash"] != build_hash:
+        raise mf.CacheError(f"{root} holds a finished cache from a different build (teacher, data or settings "
+                            "differ); use a new --out directory, or delete it to rebuild")
+    bad = [j for j in range(len(manifest["shards"])) if mf.done_shard(root, j, build_hash, foreign="redo") is None]
+    if not bad:
+        return
+    print(f"cache build: {len(bad)} shard(s) of {root} are missing or damaged ({', '.join(map(str, bad[:10]))}); "
+          "repairing: redoing them", flush=True)
+    for j in bad:
+        for stale in (mf.shard_path(root, j), mf.sidecar_path(root, j)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+    os.remove(path)

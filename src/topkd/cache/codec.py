@@ -11,18 +11,22 @@ and tests/cache/test_codec.py pins it. Two id codecs:
   Top-K ids of real teachers cluster (frequent tokens, similar tokens), so gaps are small.
 
 Log-probs are stored as one uint8 code per entry on a companded scale of the gap below the
-top-1, d = a_max - a_k >= 0:  u = 1 - exp(-d / COMPAND), code = min(round(255 u), 254).
-Steps are fine where the mass is (0.008 nats at the top) and coarse where it is not, which
-spreads the KL cost of rounding evenly over the K entries; the decoder renormalises the
-entries to the exact top-K mass stored per token, so the mass split with the tail is exact.
+top-1, d = a_max - a_k >= 0:  u = 1 - exp(-d / s), code = min(round(255 u), 254), with a
+per-token scale s = max(COMPAND, d_max / ln 255) (float16), so the lowest entry of the row is
+never clamped: a sharp teacher's far-down entries keep their true depth, which tempered targets
+(a / T) need. Steps are fine where the mass is (0.008 nats at the top) and coarse where it is
+not, which spreads the KL cost of rounding evenly over the K entries; the decoder renormalises
+the entries to the exact top-K mass stored per token, so the mass split with the tail is exact.
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
-COMPAND = 3.0  # nats; code 254 decodes to d = COMPAND * ln(255) = 16.6 nats below the top-1
+COMPAND = 3.0  # nats: the smallest per-token scale; code 254 then decodes to 16.6 nats below the top-1
+MAX_SCALE = 4096.0  # largest scale (float16-exact); rows deeper than 4096 ln 255 nats (e.g. -inf entries) clamp
 MAX_CODE = 254
 
 
@@ -105,21 +109,38 @@ def decode_rice(remainders: np.ndarray, stream: np.ndarray, k: int, b: int) -> n
     return np.cumsum(gaps + 1, axis=1) - 1
 
 
-def quantise_logprobs(logprobs: np.ndarray) -> np.ndarray:
-    """[T, K] float log-probs (any order) -> uint8 codes of the companded gap below each row's max."""
+def row_scales(logprobs: np.ndarray) -> np.ndarray:
+    """Per-row compander scale [T] float16: COMPAND, or wider so the row's lowest entry decodes at its depth."""
+    lp = logprobs.astype(np.float64)
+    finite = np.where(np.isfinite(lp), lp, np.nan)  # -inf entries (masked logits) clamp to the last code
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-masked row has no depth: 0
+        depth = np.nan_to_num(np.nanmax(finite, axis=1) - np.nanmin(finite, axis=1)) if lp.size else \
+            np.zeros(lp.shape[0])
+    scale = np.clip(depth / math.log(MAX_CODE + 1), COMPAND, MAX_SCALE)
+    half = scale.astype(np.float16)
+    return np.where(half < scale, np.nextafter(half, np.float16(np.inf)), half)  # rounded up: nothing clamps
+
+
+def quantise_logprobs(logprobs: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
+    """[T, K] float log-probs (any order) -> uint8 codes of the companded gap below each row's max.
+
+    scales: per-row compander scale (row_scales); None means COMPAND for every row (format version 1)."""
     lp = logprobs.astype(np.float64)
     d = lp.max(axis=1, keepdims=True) - lp
-    u = -np.expm1(-d / COMPAND)
+    s = COMPAND if scales is None else scales.astype(np.float64)[:, None]
+    u = -np.expm1(-d / s)
     return np.minimum(np.rint(u * (MAX_CODE + 1)), MAX_CODE).astype(np.uint8)
 
 
-_DECODE_TABLE = np.array([-COMPAND * math.log1p(-c / (MAX_CODE + 1)) for c in range(MAX_CODE + 1)])
+_UNIT_DEPTH = np.array([-math.log1p(-c / (MAX_CODE + 1)) for c in range(MAX_CODE + 1)])  # d / scale per code
 
 
-def dequantise_logprobs(codes: np.ndarray, log_mass: np.ndarray) -> np.ndarray:
-    """uint8 codes [T, K] + exact log top-K mass [T] -> float32 log-probs with that exact mass."""
+def dequantise_logprobs(codes: np.ndarray, log_mass: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
+    """uint8 codes [T, K] + exact log top-K mass [T] (+ per-row scales) -> float32 log-probs with that exact mass."""
     if codes.size and codes.max() > MAX_CODE:
         raise ValueError(f"log-prob codes: expected 0..{MAX_CODE}, got {int(codes.max())}; the shard is corrupt")
-    neg_d = -_DECODE_TABLE[codes]
+    s = COMPAND if scales is None else scales.astype(np.float64)[:, None]
+    neg_d = -_UNIT_DEPTH[codes] * s
     shift = np.log(np.exp(neg_d).sum(axis=1, keepdims=True))  # max entry is 0, so no overflow
     return (neg_d - shift + log_mass.astype(np.float64)[:, None]).astype(np.float32)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 
-from topkd.cache.shard import FORMAT_VERSION, write_atomic
+from topkd.cache.shard import CODECS, FORMAT_VERSION, read_meta, write_atomic
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "topkd-topk-cache"
@@ -42,6 +42,17 @@ def json_sha256(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def build_hash(fingerprint: dict, build: dict) -> str:
+    """The identity of a build: every setting and content hash that decides the cache's bytes.
+
+    Locations are left out (the teacher's path, the data files' paths): the same teacher or data given
+    as ./t, t/ or /abs/t, or moved, is the same build. Readers recompute it, so an edited setting in the
+    manifest (seq_len, separator, temperatures, ...) no longer matches the shards and is refused."""
+    content_fp = {key: value for key, value in fingerprint.items() if key != "teacher"}
+    content_build = {**build, "data": [{k: v for k, v in d.items() if k != "path"} for d in build.get("data", [])]}
+    return json_sha256({"fingerprint": content_fp, "build": content_build})
+
+
 def write_json_atomic(path: str, obj) -> None:
     write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
@@ -56,17 +67,58 @@ def write_sidecar(root: str, j: int, nbytes: int, first_seq: int, n_seqs: int, t
 
 
 def read_sidecar(root: str, j: int) -> dict | None:
+    """Shard j's sidecar, or None when it is missing or damaged (then the shard is redone)."""
     try:
         with open(sidecar_path(root, j)) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
+            side = json.load(f)
+        check_sidecar(side, j)
+        return side
+    except (OSError, ValueError):  # json.JSONDecodeError and CacheError are ValueErrors
         return None
 
 
+def check_sidecar(side, j: int, where: str = "sidecar") -> None:
+    """A sidecar's structure: the fields of docs/cache-format.md with their types, and shard j's own file name."""
+    need(isinstance(side, dict), f"{where}: expected a JSON object, got {type(side).__name__}")
+    need(side.get("shard") == j and side.get("file") == shard_name(j),
+         f"{where}: expected shard {j} in file {shard_name(j)!r}, got shard {side.get('shard')!r} in "
+         f"{side.get('file')!r}")
+    need(_is_int(side.get("bytes"), 0) and _is_int(side.get("tokens"), 0), f"{where}: expected integer bytes and "
+         f"tokens >= 0, got {side.get('bytes')!r} and {side.get('tokens')!r}")
+    need(_is_hex(side.get("sha256")) and _is_hex(side.get("build_hash")),
+         f"{where}: expected sha256 and build_hash as 64 hex digits")
+    seqs = side.get("sequences")
+    need(isinstance(seqs, list) and len(seqs) == 2 and all(_is_int(v, 0) for v in seqs) and seqs[0] < seqs[1],
+         f"{where}: expected sequences [first, end) with 0 <= first < end, got {seqs!r}")
+
+
+def shard_name(j: int) -> str:
+    return f"shards/shard-{j:05d}.safetensors"
+
+
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        raise CacheError(message)
+
+
+def _is_int(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_hex(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def check_shard(root: str, side: dict, checksum: bool = True) -> str | None:
-    """None when the shard file matches its sidecar, else what is wrong (size first, then checksum)."""
+    """None when the shard file matches its sidecar, else what is wrong (place, size, then checksum).
+
+    Only the canonical file name inside the cache is ever opened, and never through a link out of the
+    cache directory: nothing about files elsewhere is read or reported."""
     path = os.path.join(root, side["file"])
-    if not os.path.exists(path):
+    inside = os.path.realpath(os.path.join(root, "shards")) + os.sep
+    if side["file"] != shard_name(side["shard"]) or not os.path.realpath(path).startswith(inside):
+        return f"{side['file']}: not a plain file of this cache's shards/ directory (refused)"
+    if not os.path.isfile(path):
         return f"{side['file']}: missing"
     size = os.path.getsize(path)
     if size != side["bytes"]:
@@ -76,18 +128,38 @@ def check_shard(root: str, side: dict, checksum: bool = True) -> str | None:
     return None
 
 
-def done_shard(root: str, j: int, build_hash: str) -> dict | None:
+def identity_problem(meta: dict, side: dict, build: str) -> str | None:
+    """None when a shard's own metadata (inside its checksummed bytes) says it is this shard of this build."""
+    want = {"format_version": str(FORMAT_VERSION), "build_hash": build, "shard": str(side["shard"]),
+            "sequences": f"{side['sequences'][0]},{side['sequences'][1]}"}
+    wrong = [key for key, value in want.items() if meta.get(key) != value]
+    if wrong:
+        return (f"{side['file']}: its own metadata says {', '.join(f'{k}={meta.get(k)!r}' for k in wrong)}, expected "
+                f"{', '.join(f'{k}={want[k]!r}' for k in wrong)} (a shard from another cache, build or position)")
+    return None
+
+
+def done_shard(root: str, j: int, build: str, foreign: str = "refuse") -> dict | None:
     """The sidecar of shard j if the shard is complete and verified for this build, else None.
 
-    A sidecar from a different build is an error, never silently overwritten."""
+    A sidecar from a different build is an error (foreign="refuse": another build's files are never
+    overwritten) or, when repairing a cache whose manifest names this build (foreign="redo"), damage."""
     side = read_sidecar(root, j)
     if side is None:
         return None
-    if side.get("build_hash") != build_hash:
+    if side["build_hash"] != build:
+        if foreign == "redo":
+            return None
         raise CacheError(f"{sidecar_path(root, j)} was written by a different build (teacher, data or settings "
-                         f"differ: build hash {side.get('build_hash', '?')[:12]} vs {build_hash[:12]}); "
+                         f"differ: build hash {side['build_hash'][:12]} vs {build[:12]}); "
                          "use a new --out directory, or delete the old cache to rebuild it")
-    return side if check_shard(root, side) is None else None
+    if check_shard(root, side) is not None:
+        return None
+    try:
+        meta = read_meta(os.path.join(root, side["file"]))
+    except Exception:  # noqa: BLE001 - safetensors raises its own error type: any unreadable shard is redone
+        return None
+    return side if identity_problem(meta, side, build) is None else None
 
 
 def write_manifest(root: str, fingerprint: dict, build: dict, sidecars: list[dict]) -> dict:
@@ -106,7 +178,8 @@ def write_manifest(root: str, fingerprint: dict, build: dict, sidecars: list[dic
 
 
 def load_manifest(root: str) -> dict:
-    """Read and validate manifest.json: format, version, and one build hash across all shards."""
+    """Read and validate manifest.json: its whole structure, the build hash recomputed from its settings,
+    and one build hash across all shards. Any problem is a CacheError naming the field."""
     path = os.path.join(root, MANIFEST)
     if not os.path.isdir(root):
         raise CacheError(f"cache: expected a cache directory, got {root!r} (not a directory)")
@@ -116,13 +189,62 @@ def load_manifest(root: str) -> dict:
     try:
         with open(path) as f:
             manifest = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CacheError(f"{path}: not valid JSON ({e}); the manifest is corrupt, rerun the build to rewrite it")
-    if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
+    check_manifest(manifest, path)
+    return manifest
+
+
+def check_manifest(m, path: str) -> None:
+    """Every field the readers use, with its type and range; the shards consecutive; the hashes consistent."""
+    need(isinstance(m, dict), f"{path}: expected a JSON object, got {type(m).__name__}; rerun the build to rewrite it")
+    if m.get("format") != FORMAT_NAME or m.get("format_version") != FORMAT_VERSION:
         raise CacheError(f"{path}: expected format {FORMAT_NAME} v{FORMAT_VERSION}, got "
-                         f"{manifest.get('format')} v{manifest.get('format_version')}; rebuild with this topkd")
-    hashes = {s.get("build_hash") for s in manifest["shards"]} | {manifest["build_hash"]}
+                         f"{m.get('format')} v{m.get('format_version')}; rebuild with this topkd")
+    fp, build, shards, totals = (m.get(key) for key in ("fingerprint", "build", "shards", "totals"))
+    need(all(isinstance(x, dict) for x in (fp, build, totals)) and isinstance(shards, list),
+         f"{path}: expected objects fingerprint, build, totals and a list shards; the manifest is damaged, rerun "
+         "the build to rewrite it")
+    _check_fingerprint(fp, path)
+    _check_build(build, path)
+    need(_is_hex(m.get("build_hash")), f"{path}: expected build_hash as 64 hex digits, got {m.get('build_hash')!r}")
+    if build_hash(fp, build) != m["build_hash"]:
+        raise CacheError(f"{path}: its fingerprint or build settings were changed after the build (the build hash "
+                         "recomputed from them differs from the one the shards were written with); restore the "
+                         "manifest, or rebuild the cache")
+    end = 0
+    for j, side in enumerate(shards):
+        check_sidecar(side, j, where=f"{path}: shards[{j}]")
+        need(side["sequences"][0] == end, f"{path}: shards[{j}] starts at sequence {side['sequences'][0]}, "
+             f"expected {end} (shards must be consecutive)")
+        end = side["sequences"][1]
+    hashes = {s["build_hash"] for s in shards} | {m["build_hash"]}
     if len(hashes) != 1:
         raise CacheError(f"{path}: shards come from {len(hashes)} different builds (mixed fingerprints); "
                          "rebuild the cache into an empty directory")
-    return manifest
+    want = {"shards": len(shards), "sequences": end, "tokens": sum(s["tokens"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards)}
+    wrong = {key: totals.get(key) for key, value in want.items() if totals.get(key) != value}
+    need(not wrong, f"{path}: totals {wrong} do not match the shards ({ {k: want[k] for k in wrong} })")
+
+
+def _check_fingerprint(fp: dict, path: str) -> None:
+    for key in ("teacher", "tokenizer_sha256", "dtype", "engine", "alignment"):
+        need(isinstance(fp.get(key), str), f"{path}: fingerprint.{key}: expected a string, got {fp.get(key)!r}")
+    vocab, k, temps = fp.get("vocab_size"), fp.get("k"), fp.get("temperatures")
+    need(_is_int(vocab, 1) and _is_int(k, 1) and k <= vocab, f"{path}: fingerprint: expected integers "
+         f"1 <= k <= vocab_size, got k={k!r} vocab_size={vocab!r}")
+    need(isinstance(temps, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+                                         for t in temps),
+         f"{path}: fingerprint.temperatures: expected a list of numbers > 0, got {temps!r}")
+
+
+def _check_build(build: dict, path: str) -> None:
+    need(_is_int(build.get("seq_len"), 2), f"{path}: build.seq_len: expected an integer >= 2, got "
+         f"{build.get('seq_len')!r}")
+    need(build.get("codec") in CODECS, f"{path}: build.codec: expected one of {CODECS}, got {build.get('codec')!r}")
+    sep = build.get("separator")
+    need(sep is None or _is_int(sep, 0), f"{path}: build.separator: expected a token id or null, got {sep!r}")
+    data = build.get("data")
+    need(isinstance(data, list) and all(isinstance(d, dict) for d in data),
+         f"{path}: build.data: expected a list of objects, got {type(data).__name__}")

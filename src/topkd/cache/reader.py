@@ -22,10 +22,11 @@ from topkd.cache import manifest as mf
 from topkd.cache.shard import ShardReader
 from topkd.cache.teacher import tokenizer_hash
 
-SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "seq_rows", "seq_source", "seq_token_offset",
-                 "doc_starts"}
+SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "seq_rows", "seq_source",
+                 "seq_token_offset", "doc_starts"}
 OPEN_SHARDS = 64
-ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "lp_codes", "id_rem", "ids_packed"}  # one row per token
+ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "lp_codes", "id_rem",
+               "ids_packed"}  # one row per token
 CODEC_TENSORS = {"rice": {"lp_codes", "id_rem", "id_unary", "unary_offsets"}, "packed": {"lp_codes", "ids_packed"},
                  "rice-zstd": {"zstd_frames", "frame_offsets"}}
 
@@ -75,6 +76,11 @@ class TopKCache:
         except (SafetensorError, OSError, ValueError) as e:
             raise mf.CacheError(f"cache {self.path}: {side['file']} has an unreadable header ({e}); the shard is "
                                 "corrupt: delete it and its .json sidecar, and rerun the build command")
+        problem = mf.identity_problem(shard.meta, side, self.manifest["build_hash"])
+        if problem or shard.temperatures != [float(t) for t in self.temperatures]:
+            raise mf.CacheError(f"cache {self.path}: {problem or side['file'] + ': stored temperatures differ'}; "
+                                "it does not belong here: delete it and its .json sidecar and rerun the build "
+                                "command to redo it")
         expected = SHARD_TENSORS | CODEC_TENSORS.get(shard.codec, set())
         n_seq = side["sequences"][1] - side["sequences"][0]
         if shard.names != expected or len(shard) != n_seq or shard.k != self.k \

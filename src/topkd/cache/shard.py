@@ -1,6 +1,6 @@
 """One cache shard: consecutive sequences encoded into a safetensors file, and decoded back.
 
-    arrays, meta = encode_shard(sequences, vocab=V, codec_name="rice-zstd")
+    arrays, meta = encode_shard(sequences, vocab=V, codec_name="rice-zstd", identity={"build_hash": h, ...})
     write_shard(path, arrays, meta)            # temp file, fsync, rename: never half-written
     seq = ShardReader(path).sequence(j)        # j-th sequence of the shard, as numpy arrays
 
@@ -8,6 +8,7 @@ docs/cache-format.md describes every tensor; tests/cache/test_golden.py pins the
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from safetensors.numpy import save
 
 from topkd.cache import codec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-token compander scale, exact tempered head mass, shard identity in meta_json
 CODECS = ("rice-zstd", "rice", "packed")
 ZSTD_LEVEL = 3  # zstd level of the rice-zstd frames: 3 is within 3% of level 19 on these bytes, and fast
 
@@ -36,14 +37,19 @@ class TeacherSequence:
     doc_starts: np.ndarray  # positions in [0, L) where a document begins
     source_index: int = 0  # index of the sequence in the source data
     token_offset: int = 0  # offset of its first token in the source token stream
+    log_mass_t: np.ndarray | None = None  # [L, n_temperatures] float32, log sum_k exp(a_k / T - c_T), exact
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "rice-zstd") -> tuple[dict, dict]:
-    """Sequences -> (tensor name -> numpy array, string metadata) for one shard."""
+def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "rice-zstd",
+                 identity: dict | None = None, temperatures: tuple[float, ...] = ()) -> tuple[dict, dict]:
+    """Sequences -> (tensor name -> numpy array, string metadata) for one shard.
+
+    identity (build_hash, shard, sequences) goes into the checksummed bytes, so a shard moved in from
+    another cache or position is refused by the reader; temperatures name the columns of logz."""
     if codec_name not in CODECS:
         raise ValueError(f"codec: expected one of {CODECS}, got {codec_name!r}")
     if not seqs:
@@ -52,20 +58,28 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
     ids, logprobs, k = cat("ids").astype(np.int64), cat("logprobs"), seqs[0].ids.shape[1]
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     rows = np.concatenate([[0], np.cumsum(lengths)])
+    logz = cat("logz").astype(np.float32).reshape(len(ids), -1)
+    if logz.shape[1] != len(temperatures):
+        raise ValueError(f"logz: expected one column per temperature {list(temperatures)}, got {logz.shape[1]}")
+    scales = codec.row_scales(logprobs)
     arrays = {
         "input_ids": cat("input_ids").astype(np.int32),
         "log_mass": cat("log_mass").astype(np.float32),
         "log_tail": cat("log_tail").astype(np.float32),
-        "logz": cat("logz").astype(np.float32).reshape(len(ids), -1),
+        "logz": logz,
+        "log_mass_t": _tempered_masses(seqs, logz.shape[1]),
+        "lp_scale": scales,
         "seq_rows": rows,
         "seq_source": np.array([s.source_index for s in seqs], dtype=np.int64),
         "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
         "doc_starts": np.concatenate([s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]),
     }
-    meta = {"format_version": str(FORMAT_VERSION), "codec": codec_name, "k": str(k), "vocab": str(vocab)}
+    meta = {"format_version": str(FORMAT_VERSION), "codec": codec_name, "k": str(k), "vocab": str(vocab),
+            "temperatures": json.dumps([float(t) for t in temperatures])}
+    meta.update({key: str(value) for key, value in (identity or {}).items()})
     if codec_name == "packed":
         arrays["ids_packed"] = codec.pack_bits(ids, codec.id_bits(vocab))
-        arrays["lp_codes"] = codec.quantise_logprobs(logprobs)
+        arrays["lp_codes"] = codec.quantise_logprobs(logprobs, scales)
         return arrays, meta
     order, gaps = codec.sorted_gaps(ids)
     b = codec.best_rice_parameter(gaps)
@@ -74,11 +88,21 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
     arrays["id_rem"] = np.concatenate([p[0] for p in parts])
     arrays["id_unary"] = np.concatenate(streams)
     arrays["unary_offsets"] = np.concatenate([[0], np.cumsum([len(s) for s in streams])]).astype(np.int64)
-    arrays["lp_codes"] = codec.quantise_logprobs(np.take_along_axis(logprobs, order, axis=1))
+    arrays["lp_codes"] = codec.quantise_logprobs(np.take_along_axis(logprobs, order, axis=1), scales)
     meta["rice_b"] = str(b)
     if codec_name == "rice-zstd":
         _zstd_frames(arrays, rows)
     return arrays, meta
+
+
+def _tempered_masses(seqs: list[TeacherSequence], n_temperatures: int) -> np.ndarray:
+    """log_mass_t of every row: the exact tempered top-K mass the reader renormalises the decoded head to."""
+    parts = []
+    for s in seqs:
+        if s.log_mass_t is None and n_temperatures:
+            raise ValueError("log_mass_t: expected the exact tempered top-K mass per stored temperature, got None")
+        parts.append(np.zeros((len(s), 0), np.float32) if s.log_mass_t is None else s.log_mass_t)
+    return np.concatenate(parts).astype(np.float32).reshape(sum(len(s) for s in seqs), n_temperatures)
 
 
 def _zstd_frames(arrays: dict, rows: np.ndarray) -> None:
@@ -106,16 +130,27 @@ def write_shard(path: str, arrays: dict, meta: dict) -> int:
 
 def write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no stray temp file, the old file (if any) untouched
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself must survive a crash
     finally:
         os.close(dir_fd)
+
+
+def read_meta(path: str) -> dict:
+    """A shard's meta_json (format version, codec, identity) without reading anything else."""
+    with safe_open(path, framework="np") as f:
+        return json.loads(f.get_tensor("meta_json").tobytes())
 
 
 class ShardReader:
@@ -129,6 +164,7 @@ class ShardReader:
         self.names = set(f.keys()) - {"meta_json"}
         self.seq_rows = f.get_tensor("seq_rows")
         self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
+        self.temperatures = [float(t) for t in json.loads(self.meta.get("temperatures", "[]"))]
         self.unary_offsets = f.get_tensor("unary_offsets") if self.codec == "rice" else None
         self.frame_offsets = f.get_tensor("frame_offsets") if self.codec == "rice-zstd" else None
         self.seq_source, self.seq_token_offset = f.get_tensor("seq_source"), f.get_tensor("seq_token_offset")
@@ -174,18 +210,32 @@ class ShardReader:
     def sequence(self, j: int) -> TeacherSequence:
         """Decode sequence j: ids in rank order, log-probs sorted descending with the exact top-K mass."""
         a, e = int(self.seq_rows[j]), int(self.seq_rows[j + 1])
-        log_mass = self.rows("log_mass", a, e)
+        log_mass, scales = self.rows("log_mass", a, e), self.rows("lp_scale", a, e)
         if self.codec == "packed":
-            logprobs = codec.dequantise_logprobs(self.rows("lp_codes", a, e), log_mass)
+            logprobs = codec.dequantise_logprobs(self.rows("lp_codes", a, e), log_mass, scales)
             ids = codec.unpack_bits(self.rows("ids_packed", a, e), self.k, codec.id_bits(int(self.meta["vocab"])))
         else:
             lp_codes, remainders, unary = self._rice_parts(j, a, e)
-            logprobs = codec.dequantise_logprobs(lp_codes, log_mass)
+            logprobs = codec.dequantise_logprobs(lp_codes, log_mass, scales)
             ids = codec.decode_rice(remainders, unary, self.k, int(self.meta["rice_b"]))
             rank = np.argsort(-logprobs, axis=1, kind="stable")  # ties keep ascending id order
             ids, logprobs = np.take_along_axis(ids, rank, 1), np.take_along_axis(logprobs, rank, 1)
         starts = self.doc_starts[(self.doc_starts >= a) & (self.doc_starts < e)] - a
         return TeacherSequence(
             input_ids=self.rows("input_ids", a, e).astype(np.int64), ids=ids, logprobs=logprobs,
-            log_mass=log_mass, log_tail=self.rows("log_tail", a, e), logz=self.rows("logz", a, e),
-            doc_starts=starts, source_index=int(self.seq_source[j]), token_offset=int(self.seq_token_offset[j]))
+            log_mass=log_mass, log_tail=self.rows("log_tail", a, e), logz=self._logz(logprobs, a, e),
+            doc_starts=starts, source_index=int(self.seq_source[j]), token_offset=int(self.seq_token_offset[j]),
+            log_mass_t=self.rows("log_mass_t", a, e))
+
+    def _logz(self, logprobs: np.ndarray, a: int, e: int) -> np.ndarray:
+        """c_T as the decoded rows need it: log sum_k exp(a^_k / T) - log_mass_t, so the decoded head carries
+        exactly the stored tempered mass (quantised far-down entries weigh far more at T > 1 than at T = 1)."""
+        log_mass_t = self.rows("log_mass_t", a, e).astype(np.float64)
+        lp = logprobs.astype(np.float64)
+        cols = [_logsumexp(lp / t) - log_mass_t[:, i] for i, t in enumerate(self.temperatures)]
+        return np.stack(cols, axis=1).astype(np.float32) if cols else np.zeros((e - a, 0), np.float32)
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    top = x.max(axis=1)
+    return top + np.log(np.exp(x - top[:, None]).sum(axis=1))

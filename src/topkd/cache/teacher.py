@@ -66,7 +66,7 @@ class Teacher:
         import topkd
 
         return {"teacher": self.source, "weights_sha256": weights_hash(self.model),
-                "config_sha256": _sha256_json(self.model.config.to_dict()),
+                "config_sha256": config_hash(self.model.config),
                 "tokenizer_sha256": tokenizer_hash(self.tokenizer), "dtype": str(self.dtype).removeprefix("torch."),
                 "vocab_size": self.vocab, "k": k, "temperatures": list(temperatures),
                 "engine": f"transformers {transformers.__version__}", "topkd_version": topkd.__version__,
@@ -115,9 +115,11 @@ def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> dict:
         log_tail[a:b] = eb.scatter_(1, ids[a:b], 0.0).sum(dim=1).log_()  # summed directly: exact when tiny
     logprobs = values - log_total[:, None]
     logz = [log_sums[i] - log_total / t for i, t in enumerate(temperatures)]
+    log_mass_t = [torch.logsumexp(logprobs / t, dim=1) - c for t, c in zip(temperatures, logz)]  # exact head at T
+    stack = lambda cols: torch.stack(cols, 1).numpy() if cols else np.zeros((n, 0), np.float32)  # noqa: E731
     return {"ids": ids.to(torch.int32).numpy(), "logprobs": logprobs.numpy(),
             "log_mass": torch.logsumexp(logprobs, dim=1).numpy(), "log_tail": (log_tail - log_total).numpy(),
-            "logz": torch.stack(logz, 1).numpy() if logz else np.zeros((n, 0), np.float32)}
+            "logz": stack(logz), "log_mass_t": stack(log_mass_t)}
 
 
 def split_rows(flat: dict[str, np.ndarray], n_seqs: int, length: int) -> list[dict[str, np.ndarray]]:
@@ -149,6 +151,11 @@ def weights_hash(model: torch.nn.Module) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def config_hash(config) -> str:
+    """sha256 of the model config without where it was loaded from (_name_or_path): content, not spelling."""
+    return _sha256_json({k: v for k, v in config.to_dict().items() if k != "_name_or_path"})
 
 
 def tokenizer_hash(tokenizer) -> str:

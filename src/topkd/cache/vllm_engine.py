@@ -55,7 +55,8 @@ def rows_from_prompt(prompt_ids: list[int], prompt_logprobs: list, next_logprobs
     with np.errstate(divide="ignore"):  # a top-K holding all the mass leaves a zero tail: the floor
         tail = np.log(-np.expm1(np.minimum(log_mass, 0.0)))
     return {"ids": ids, "logprobs": logprobs, "log_mass": log_mass.astype(np.float32),
-            "log_tail": np.maximum(tail, TAIL_FLOOR).astype(np.float32), "logz": np.zeros((len(entries), 0), np.float32)}
+            "log_tail": np.maximum(tail, TAIL_FLOOR).astype(np.float32),
+            "logz": np.zeros((len(entries), 0), np.float32)}
 
 
 def document_pieces(tokens: np.ndarray, doc_starts: np.ndarray) -> list[np.ndarray]:

@@ -24,7 +24,8 @@ class _ChunkedOnLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, rows, spec, reduction, chunk):
-        kd_w, ce_w = token_weights(rows, spec, reduction, compute_dtype(logits.dtype)) if reduction != "none" else (None, None)
+        kd_w, ce_w = (token_weights(rows, spec, reduction, compute_dtype(logits.dtype)) if reduction != "none"
+                      else (None, None))
         want = ctx.needs_input_grad[0]
         kd_tok, ce_tok, dlogits = _slices(logits, rows, spec, kd_w if want else None, ce_w, chunk)
         ctx.reduction, ctx.rows, ctx.spec, ctx.chunk = reduction, rows, spec, chunk

@@ -19,7 +19,6 @@ import torch
 from topkd.cache import TopKCache
 from topkd.cache.data import position_ids
 
-
 PACKINGS = ("documents", "cross", "none")
 
 
