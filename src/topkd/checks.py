@@ -2,6 +2,27 @@
 from __future__ import annotations
 
 
+def require_device(device: str) -> None:
+    """cpu, or cuda where this torch sees a GPU: refused before any model is loaded."""
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected cpu | cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for, but this torch sees no GPU (torch.cuda.is_available() is "
+                         "False); use --device cpu, or install a CUDA build of torch")
+
+
+def require_path(flag: str, path: str, kind: str = "any") -> None:
+    """An input path that must exist (kind: any | dir | file), named by its flag."""
+    import os
+
+    ok = {"any": os.path.exists, "dir": os.path.isdir, "file": os.path.isfile}[kind](path)
+    if not ok:
+        what = {"any": "an existing path", "dir": "an existing directory", "file": "an existing file"}[kind]
+        raise ValueError(f"{flag}: expected {what}, got {path!r} (not found); check the path")
+
+
 def require_ints(cfg, names: tuple[str, ...], minimum: int) -> None:
     """Each named field of cfg must be an int >= minimum; the message names the flag."""
     for name in names:

@@ -23,9 +23,9 @@ from topkd.bench.loss import LossBenchConfig, run_loss_bench
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
 from topkd.cache.inspect import inspect_cache, verify_cache
-from topkd.cache.manifest import CacheError
 from topkd.demo import DEMO_HELP, DemoConfig
 from topkd.eval.run import EVAL_HELP, EvalConfig
+from topkd.signals import Interrupted, signals_raise
 from topkd.train.config import TRAIN_HELP, TrainConfig
 
 BENCH_HELP = {
@@ -71,7 +71,11 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="topkd", description="memory-efficient LLM knowledge distillation")
+    import topkd
+
+    parser = argparse.ArgumentParser(prog="topkd", description="memory-efficient LLM knowledge distillation",
+                                     epilog="--debug anywhere on the line: a traceback instead of a one-line error")
+    parser.add_argument("--version", action="version", version=f"topkd {topkd.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     cache = sub.add_parser("cache", help="teacher top-K cache: build, verify, inspect")
     cache_sub = cache.add_subparsers(dest="cache", required=True)
@@ -103,35 +107,54 @@ def _config(cls, args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A refusal (bad flag, bad input, refused cache, full disk) is one line
+    `topkd <cmd>: error: ...` and exit code 2; a signal stops the job cleanly with 128 + signum;
+    --debug (anywhere on the line) shows the traceback instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     args = build_parser().parse_args(argv)
+    sub = {"cache": getattr(args, "cache", None), "bench": getattr(args, "bench", None)}.get(args.command)
+    name = f"{args.command} {sub}" if sub else args.command
     try:
-        if args.command == "bench" and args.bench == "loss":
-            run_loss_bench(_config(LossBenchConfig, args))
-        elif args.command == "bench" and args.bench == "cache":
-            run_cache_bench(_config(CacheBenchConfig, args))
-        elif args.command == "bench" and args.bench == "train":
-            run_train_bench(_config(TrainBenchConfig, args))
-        elif args.command == "demo":
-            from topkd.demo import run_demo
-
-            run_demo(_config(DemoConfig, args))
-        elif args.command == "eval":
-            from topkd.eval import run_eval
-
-            run_eval(_config(EvalConfig, args))
-        elif args.command == "train":
-            from topkd.train import train
-
-            train(_config(TrainConfig, args))
-        elif args.command == "cache" and args.cache == "build":
-            build(_config(CacheBuildConfig, args))
-        elif args.command == "cache" and args.cache == "verify":
-            return verify_cache(args.path)
-        elif args.command == "cache" and args.cache == "inspect":
-            inspect_cache(args.path, plot=args.plot or None)
-    except CacheError as e:  # a refused cache is a message for the user, not a traceback
-        print(f"topkd: error: {e}", file=sys.stderr)
+        with signals_raise():
+            return run_command(args)
+    except Interrupted as e:
+        print(f"topkd {name}: {e.message}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    except (ValueError, OSError) as e:  # CacheError is a ValueError; OSError: missing file, full disk, ...
+        if debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"topkd {name}: error: {message}", file=sys.stderr, flush=True)
         return 2
+
+
+def run_command(args) -> int:
+    if args.command == "bench" and args.bench == "loss":
+        run_loss_bench(_config(LossBenchConfig, args))
+    elif args.command == "bench" and args.bench == "cache":
+        run_cache_bench(_config(CacheBenchConfig, args))
+    elif args.command == "bench" and args.bench == "train":
+        run_train_bench(_config(TrainBenchConfig, args))
+    elif args.command == "demo":
+        from topkd.demo import run_demo
+
+        run_demo(_config(DemoConfig, args))
+    elif args.command == "eval":
+        from topkd.eval import run_eval
+
+        run_eval(_config(EvalConfig, args))
+    elif args.command == "train":
+        from topkd.train import train
+
+        train(_config(TrainConfig, args))
+    elif args.command == "cache" and args.cache == "build":
+        build(_config(CacheBuildConfig, args))
+    elif args.command == "cache" and args.cache == "verify":
+        return verify_cache(args.path)
+    elif args.command == "cache" and args.cache == "inspect":
+        inspect_cache(args.path, plot=args.plot or None)
     return 0
 
 

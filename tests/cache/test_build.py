@@ -177,3 +177,4 @@ def test_k_larger_than_vocab_is_refused(teacher_dir, text_file, tmp_path):
 def test_missing_teacher_is_refused(text_file, tmp_path):
     with pytest.raises(ValueError, match="never fetches from a hub"):
         build(cache_config(str(tmp_path / "no-model"), text_file, tmp_path / "c"))
+    assert not (tmp_path / "c").exists()  # a refused start leaves nothing behind

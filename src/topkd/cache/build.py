@@ -27,7 +27,7 @@ from topkd.cache.data import check_paths, iter_documents, pack_sequences, positi
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher, split_rows
 from topkd.cache.vllm_engine import VLLMTeacher
-from topkd.checks import require_ints
+from topkd.checks import require_device, require_ints
 
 
 @dataclass
@@ -78,6 +78,10 @@ BUILD_HELP = {
 def check_config(cfg: CacheBuildConfig) -> None:
     if not cfg.teacher or not cfg.out:
         raise ValueError(f"expected --teacher and --out, got teacher={cfg.teacher!r} out={cfg.out!r}")
+    if not os.path.exists(cfg.teacher):
+        raise ValueError(f"teacher: expected a local model directory or .gguf file, got {cfg.teacher!r} (not found); "
+                         "download the model first, topkd never fetches from a hub")
+    require_device(cfg.device)
     check_paths(cfg.data)
     if cfg.codec not in CODECS:
         raise ValueError(f"codec: expected one of {CODECS}, got {cfg.codec!r}")
@@ -106,10 +110,11 @@ def build(cfg: CacheBuildConfig) -> dict:
     """Build (or resume, or repair) the cache in cfg.out; returns the manifest."""
     check_config(cfg)
     rank, world = dist.init(cfg.device) if cfg.engine == "hf" else (0, 1)
-    os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)
+    teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
+        VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
+    check_teacher_fits(teacher, cfg)
+    os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)  # only once the inputs are known to be usable
     with build_lock(cfg.out, f"{cfg.part}-{rank}"):
-        teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
-            VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
         fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
         build_info = _build_info(cfg, teacher)
         build_hash = mf.build_hash(fingerprint, build_info)
@@ -139,6 +144,17 @@ def build(cfg: CacheBuildConfig) -> dict:
           f"tokens, {totals['bytes'] / 1e6:.2f} MB ({totals['bytes_per_token']:.1f} bytes/token) to {cfg.out}",
           flush=True)
     return manifest
+
+
+def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
+    """Settings the teacher itself bounds: K within its vocabulary, sequences within its positions."""
+    if not 1 <= cfg.k <= teacher.vocab:
+        raise ValueError(f"k: expected 1 <= k <= vocab size {teacher.vocab}, got {cfg.k}")
+    config = getattr(getattr(teacher, "model", None), "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.seq_len > limit:
+        raise ValueError(f"seq_len: expected at most the teacher's {limit} positions (max_position_embeddings), got "
+                         f"{cfg.seq_len}; use --seq-len {limit} or less")
 
 
 @contextlib.contextmanager

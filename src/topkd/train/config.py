@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from topkd.checks import require_ints
+from topkd.checks import require_device, require_ints, require_path
 from topkd.train.batches import PACKINGS
 
 
@@ -43,6 +43,7 @@ class TrainConfig:
     loader_workers: int = 1
     seed: int = 0
     device: str = "cpu"
+    skip_nonfinite: bool = False
 
 
 TRAIN_HELP = {
@@ -83,7 +84,55 @@ TRAIN_HELP = {
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
     "seed": "seed for the data order and initialisation",
     "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK, one GPU per process)",
+    "skip_nonfinite": "skip (do not apply) a step whose loss or gradient norm is NaN/inf, instead of stopping the run",
 }
+
+# Flags that change nothing in the loss trajectory: a resumed run may change them. --batch-size is replaced by
+# the global batch (batch x processes), which is what the trajectory depends on (processes may change on resume).
+NOT_TRAJECTORY = ("out", "steps", "checkpoint_every", "loader_workers", "device", "activation_checkpointing",
+                  "batch_size", "skip_nonfinite")
+RUN_FILE = "run.json"
+
+
+def trajectory(cfg: TrainConfig, world: int) -> dict:
+    """Every setting that decides the run's loss trajectory, as stored in OUT/run.json."""
+    from dataclasses import asdict
+
+    flags = {k: v for k, v in asdict(cfg).items() if k not in NOT_TRAJECTORY}
+    return {**flags, "global_batch_size": cfg.batch_size * world}
+
+
+def check_resume(out: str, cfg: TrainConfig, world: int, resuming: bool) -> None:
+    """Refuse to continue a run (one with a checkpoint) in --out under other flags; else record this run's."""
+    import json
+    import os
+
+    from topkd.cache.shard import write_atomic
+
+    path, now = os.path.join(out, RUN_FILE), trajectory(cfg, world)
+    if resuming and os.path.exists(path):
+        with open(path) as f:
+            before = json.load(f)
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if changed:
+            diffs = ", ".join(f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
+            raise ValueError(f"{out} holds a run with other settings ({diffs}); rerun with that run's flags to "
+                             "resume it (only --steps and speed/memory flags may change), or use a new --out")
+    elif int(os.environ.get("RANK", "0")) == 0:
+        write_atomic(path, (json.dumps(now, indent=1, sort_keys=True) + "\n").encode())
+
+
+def check_paths(cfg: TrainConfig, teacher_dir: str | None = None) -> None:
+    """--out must not be (or lie inside) the student, the cache or the teacher: saving would overwrite them."""
+    import os
+
+    out = os.path.realpath(cfg.out)
+    for flag, path in (("--student", cfg.student), ("--cache", cfg.cache), ("--teacher", cfg.teacher or teacher_dir)):
+        if path and os.path.exists(path):
+            inside = os.path.realpath(path)
+            if out == inside or out.startswith(inside + os.sep):
+                raise ValueError(f"--out {cfg.out!r} is inside {flag} {path!r}: the run would overwrite it (final/, "
+                                 "config.json); choose a separate --out directory")
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -106,8 +155,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"objective: expected kd | ce, got {cfg.objective!r}")
     if cfg.packing not in PACKINGS:
         raise ValueError(f"packing: expected one of {PACKINGS}, got {cfg.packing!r}")
-    if cfg.device not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected cpu | cuda, got {cfg.device!r}")
+    require_device(cfg.device)
+    for flag, path, kind in (("--cache", cfg.cache, "dir"), ("--teacher", cfg.teacher, "any"),
+                             ("--student", cfg.student, "dir")):
+        if path:
+            require_path(flag, path, kind)
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
     require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k", "top_k",
                        "max_sequences", "loader_workers"), 0)

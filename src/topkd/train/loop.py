@@ -17,18 +17,21 @@ import contextlib
 import json
 import math
 import os
+import signal
+import sys
 import time
 from dataclasses import asdict
 
 import torch
-from tqdm import tqdm
 
 from topkd import dist
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
+from topkd.progress import progress
+from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
 from topkd.train.batches import SampleStream, count_tokens, logz_column
-from topkd.train.config import TrainConfig, check_config
+from topkd.train.config import TrainConfig, check_config, check_paths, check_resume
 from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
 from topkd.train.student import KDStudent, load_student
@@ -37,10 +40,12 @@ from topkd.train.student import KDStudent, load_student
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the final metrics row (on every rank)."""
     check_config(cfg)
+    check_paths(cfg)
     rank, world = dist.init(cfg.device)
     device = dist.local_device(cfg.device)
     torch.manual_seed(cfg.seed)
     source = open_source(cfg, device)
+    check_paths(cfg, teacher_dir=getattr(source, "fingerprint", {}).get("teacher") if cfg.init_from_teacher else None)
     check_top_k(cfg.top_k, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
@@ -54,34 +59,72 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = {"step": 0, "samples": 0}
     os.makedirs(cfg.out, exist_ok=True)
+    check_resume(cfg.out, cfg, world, resuming=ckpt.latest_step(cfg.out) is not None)
     resumed = ckpt.load_latest(cfg.out, module, optimizer, scheduler, state)
+    if state["step"] > cfg.steps:
+        raise ValueError(f"steps: the run in {cfg.out} is already at step {state['step']}, beyond --steps "
+                         f"{cfg.steps}; pass --steps >= {state['step']} to continue it, or use a new --out")
     for group in optimizer.param_groups:  # the schedule of this run's flags (a resume may extend --steps)
         group["lr"] = group["initial_lr"] * lr_factor(state["step"], cfg)
+    warn_about_schedule(cfg, stream, world)
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
     ckpt.truncate_metrics(metrics_path, state["step"])  # rows past the checkpoint will be recomputed
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({**asdict(cfg), "world_size": world}, f, indent=1)
-    row = {}
-    bar = tqdm(total=cfg.steps, initial=state["step"], desc="train" + (" (resumed)" if resumed else ""), unit="step",
-               disable=None if rank == 0 else True)
-    steps = step_loader(stream, cfg, state, workers=0 if cfg.teacher else cfg.loader_workers)
-    while state["step"] < cfg.steps:
-        row = train_step(module, stream, optimizer, scheduler, cfg, state, micro=next(steps))
-        if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", GiB=f"{row['peak_gib']:.2f}")
-        if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
-            ckpt.save(cfg.out, module, optimizer, scheduler, state)
-    bar.close()
-    del steps  # loader workers shut down now, not at interpreter exit
+    row = run_steps(module, stream, optimizer, scheduler, cfg, state, resumed)
     ckpt.save(cfg.out, module, optimizer, scheduler, state)
     save_final(module, student, os.path.join(cfg.out, "final"))
     if rank == 0:
         plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"))
+        print(f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
+              f"checkpoints/ in {cfg.out} (step {state['step']})", flush=True)
     return row
+
+
+def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig, state: dict,
+              resumed: bool) -> dict:
+    """The step loop: metrics rows, progress, periodic checkpoints; on SIGINT/SIGTERM a checkpoint, then stop."""
+    rank, row = dist.rank(), {}
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    bar = progress(total=cfg.steps, initial=state["step"], desc="train" + (" (resumed)" if resumed else ""),
+                   unit="step", disable=rank != 0)
+    steps = step_loader(stream, cfg, state, workers=0 if cfg.teacher else cfg.loader_workers)
+    with stop_requests() as stop:
+        while state["step"] < cfg.steps:
+            row = train_step(module, stream, optimizer, scheduler, cfg, state, micro=next(steps))
+            if rank == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            GiB=f"{row['peak_gib']:.2f}")
+            if dist.all_max(float(stop.signum)):  # every rank stops at the same step
+                bar.close()
+                del steps
+                path = ckpt.save(cfg.out, module, optimizer, scheduler, state)
+                raise Interrupted(int(dist.all_max(float(stop.signum))),
+                                  f"stopped at step {state['step']}; checkpoint saved to {path}; rerun the same "
+                                  "command to resume")
+            if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
+                ckpt.save(cfg.out, module, optimizer, scheduler, state)
+    bar.close()
+    del steps  # loader workers shut down now, not at interpreter exit
+    return row
+
+
+def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> None:
+    """Say so when the run repeats the data or never leaves warmup: both are legal, neither is usually meant."""
+    samples = cfg.steps * cfg.batch_size * cfg.grad_accum * world
+    if dist.rank() != 0:
+        return
+    if samples > stream.per_epoch:
+        print(f"topkd train: warning: {cfg.steps} steps x {samples // cfg.steps} samples = {samples} samples, "
+              f"{samples / stream.per_epoch:.1f} epochs over the {stream.per_epoch} samples of this data; every "
+              "sample is seen more than once", file=sys.stderr, flush=True)
+    if cfg.steps < cfg.warmup_steps:
+        print(f"topkd train: warning: --steps {cfg.steps} is below --warmup-steps {cfg.warmup_steps}: the learning "
+              "rate never reaches --lr", file=sys.stderr, flush=True)
 
 
 def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
@@ -133,8 +176,13 @@ def step_loader(stream: SampleStream, cfg: TrainConfig, state: dict, workers: in
     if workers == 0:
         return (data[i] for i in range(len(data)))
     loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=2,
-                                         multiprocessing_context="fork")
+                                         multiprocessing_context="fork", worker_init_fn=_ignore_interrupts)
     return iter(loader)
+
+
+def _ignore_interrupts(worker_id: int) -> None:
+    """Ctrl-C reaches the whole process group: workers leave it to the trainer, which checkpoints first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def step_batches(stream: SampleStream, cfg: TrainConfig, first_sample: int) -> list[dict[str, torch.Tensor]]:
@@ -164,15 +212,24 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
         total += float(loss.detach())
     params = [p for p in module.parameters() if p.grad is not None]
     grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
+    lr, loss = optimizer.param_groups[0]["lr"], dist.all_sum(total)
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    elif not cfg.skip_nonfinite:  # never apply, let alone checkpoint, NaN weights
+        last = ckpt.latest_step(cfg.out)
+        raise ValueError(f"step {state['step'] + 1}: loss {loss} / gradient norm {grad_norm} is not finite; the "
+                         "weights were not updated and the newest checkpoint "
+                         f"({'none' if last is None else f'step {last}'}) is intact; lower --lr, check the data, or "
+                         "pass --skip-nonfinite to skip such steps")
     scheduler.step()
+    epoch = state["samples"] // getattr(stream, "per_epoch", state["samples"] + 1)  # benchmarks hold one batch
     state["step"] += 1
     state["samples"] += size * cfg.grad_accum * world
     seconds = time.perf_counter() - start
-    return {"step": state["step"], "loss": dist.all_sum(total), "lr": lr, "grad_norm": grad_norm,
+    return {"step": state["step"], "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "peak_gib": dist.all_max(peak_memory_gib(device))}
+            "peak_gib": dist.all_max(peak_memory_gib(device)), **({} if finite else {"skipped": True})}
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -219,6 +276,7 @@ def plot_losses(metrics_path: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in open(metrics_path)]
+    rows = [r for r in rows if math.isfinite(r["loss"])]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
     ax.set_xlabel("step")
