@@ -14,12 +14,12 @@ import fcntl
 import glob
 import itertools
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from topkd import dist
 from topkd.cache import manifest as mf
@@ -28,6 +28,8 @@ from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher, split_rows
 from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_device, require_ints
+from topkd.progress import progress
+from topkd.signals import Interrupted
 
 
 @dataclass
@@ -113,6 +115,8 @@ def build(cfg: CacheBuildConfig) -> dict:
     teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
         VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
     check_teacher_fits(teacher, cfg)
+    me, builders = cfg.part * world + rank, cfg.parts * world
+    total = _count_tokens(teacher, cfg, me, builders)  # also refuses empty or out-of-vocabulary data
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)  # only once the inputs are known to be usable
     with build_lock(cfg.out, f"{cfg.part}-{rank}"):
         fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
@@ -126,7 +130,11 @@ def build(cfg: CacheBuildConfig) -> dict:
             print(f"cache build: {cfg.out} is already complete and verified ({existing['totals']['shards']} shards, "
                   f"{existing['totals']['tokens']} tokens); nothing to do", flush=True)
             return existing
-        n_shards = _build_shards(teacher, cfg, build_hash, cfg.part * world + rank, cfg.parts * world)
+        try:
+            n_shards = _build_shards(teacher, cfg, build_hash, me, builders, total)
+        except Interrupted as e:
+            raise Interrupted(e.signum, f"stopped by {signal.Signals(e.signum).name}: the shard in flight was "
+                              "dropped, finished shards are kept; rerun the same command to resume") from None
         dist.barrier()
         if cfg.parts > 1:
             print(f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to "
@@ -180,15 +188,10 @@ def build_lock(out: str, who: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int) -> int:
-    seqs = pack_sequences(iter_documents(cfg.data, teacher.tokenizer, cfg.text_field), cfg.seq_len,
-                          teacher.tokenizer.eos_token_id)
-    if cfg.max_sequences:
-        seqs = itertools.islice(seqs, cfg.max_sequences)
-    bar = tqdm(desc=f"cache build (rank {rank})" if world > 1 else "cache build", unit="tok", unit_scale=True,
-               disable=None)
+def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int, total: int) -> int:
+    bar = progress(total=total, desc=f"cache build (rank {rank})" if world > 1 else "cache build", unit="tok")
     written, start, n_shards = 0, time.perf_counter(), 0
-    for j, group in enumerate(_batched(seqs, cfg.seqs_per_shard)):
+    for j, group in enumerate(_batched(_sequences(teacher, cfg), cfg.seqs_per_shard)):
         n_shards = j + 1
         tokens = sum(len(s.tokens) for s in group)
         if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
@@ -208,6 +211,39 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
                         s=f"{time.perf_counter() - start:.0f}")
     bar.close()
     return n_shards
+
+
+def _sequences(teacher, cfg: CacheBuildConfig, counter: list[int] | None = None):
+    """The packed sequences of the build's data (counter[0] accumulates the documents' own tokens)."""
+    docs = iter_documents(cfg.data, teacher.tokenizer, cfg.text_field, vocab=teacher.vocab)
+    if counter is not None:
+        docs = _counted(docs, counter)
+    seqs = pack_sequences(docs, cfg.seq_len, teacher.tokenizer.eos_token_id)
+    return itertools.islice(seqs, cfg.max_sequences) if cfg.max_sequences else seqs
+
+
+def _counted(docs, counter: list[int]):
+    for doc in docs:
+        if isinstance(doc, list):
+            counter[0] += sum(len(r) for r in doc)
+            yield doc
+        elif isinstance(doc, np.ndarray):
+            counter[0] += len(doc)
+            yield doc
+        else:
+            yield (counter.__setitem__(0, counter[0] + len(block)) or block for block in doc)
+
+
+def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
+    """A tokenising pass before the teacher runs: this rank's total for the progress bar and ETA, and a refusal
+    of data with no tokens at all (which would otherwise make a cache of separators that trains on nothing)."""
+    counter, total = [0], 0
+    for j, group in enumerate(_batched(_sequences(teacher, cfg, counter), cfg.seqs_per_shard)):
+        total += sum(len(s.tokens) for s in group) if j % world == rank else 0
+    if counter[0] == 0:
+        raise ValueError(f"data: expected some text, got no tokens in {cfg.data} (empty files, or JSONL lines with "
+                         "empty text); check the inputs")
+    return total
 
 
 def _teacher_rows(teacher: Teacher | VLLMTeacher, group, cfg: CacheBuildConfig) -> list[dict]:

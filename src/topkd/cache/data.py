@@ -4,11 +4,17 @@
 
 Documents are tokenised with the teacher's tokenizer, each followed by the separator (EOS),
 concatenated and cut into `seq_len` pieces; the last piece may be shorter (never dropped).
+A .txt file is one document, read and tokenised lazily in ~1 MB blocks cut at line ends (or, in a
+line longer than that, at a space), so the memory a build needs does not grow with the file and
+`--max-sequences` reads only what it uses.
 Each sequence records where documents start in it, so training can reset positions and mask
 attention and loss across them. A 2-D .npy array is taken as ready-made sequences, one per row.
 """
 from __future__ import annotations
 
+import codecs
+import contextlib
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -39,8 +45,10 @@ def check_paths(paths: list[str]) -> None:
                              "pre-tokenised ids as a .npy array")
 
 
-def iter_documents(paths: list[str], tokenizer, text_field: str = "text") -> Iterator[np.ndarray | list]:
-    """Token arrays, one per document; a 2-D .npy yields its rows as a list (ready-made sequences)."""
+def iter_documents(paths: list[str], tokenizer, text_field: str = "text",
+                   vocab: int | None = None) -> Iterator[np.ndarray | list | Iterator[np.ndarray]]:
+    """One item per document: a token array (.jsonl, 1-D .npy), an iterator of token blocks (.txt, read
+    lazily), or a list of arrays (a 2-D .npy: ready-made sequences). vocab: refuse ids outside [0, vocab)."""
     check_paths(paths)
     for path in paths:
         if path.endswith(".npy"):
@@ -48,15 +56,37 @@ def iter_documents(paths: list[str], tokenizer, text_field: str = "text") -> Ite
             if arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.integer):
                 raise ValueError(f"{path}: expected a 1-D token stream or 2-D [sequences, length] integer array, "
                                  f"got {arr.ndim}-D {arr.dtype}")
+            if vocab is not None:
+                _check_ids(path, arr, vocab)
             yield np.asarray(arr, dtype=np.int64) if arr.ndim == 1 else [np.asarray(r, np.int64) for r in arr]
         elif path.endswith(".jsonl"):
             yield from _jsonl_documents(path, tokenizer, text_field)
         else:
-            yield _tokenize_blocks(_text_blocks(path), tokenizer)
+            yield (_encode(tokenizer, block) for block in _text_blocks(path))
+
+
+def whole(document) -> np.ndarray:
+    """A document's tokens as one array (a .txt document comes as an iterator of blocks)."""
+    if isinstance(document, np.ndarray):
+        return document
+    parts = list(document)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _check_ids(path: str, arr: np.ndarray, vocab: int, block: int = 1 << 24) -> None:
+    flat = arr.reshape(-1)
+    for a in range(0, flat.size, block):  # blocks: a memory-mapped array is never read whole
+        part = np.asarray(flat[a:a + block])
+        bad = np.flatnonzero((part < 0) | (part >= vocab))
+        if bad.size:
+            where = np.unravel_index(a + int(bad[0]), arr.shape)
+            raise ValueError(f"{path}: token id {int(part[bad[0]])} at position {tuple(int(i) for i in where)} is "
+                             f"outside the teacher's vocabulary [0, {vocab}); were these ids made with another "
+                             "tokenizer? Re-tokenise with the teacher's, or pass the text instead")
 
 
 def _jsonl_documents(path: str, tokenizer, field: str) -> Iterator[np.ndarray]:
-    with open(path, encoding="utf-8") as f:
+    with _utf8_errors(path), open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -66,16 +96,18 @@ def _jsonl_documents(path: str, tokenizer, field: str) -> Iterator[np.ndarray]:
                 raise ValueError(f"{path}:{line_no}: expected one JSON object per line, got invalid JSON ({e})")
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
                 keys = list(record)[:5] if isinstance(record, dict) else []
+                got = type(record[field]).__name__ if isinstance(record, dict) and field in record else "missing"
                 raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r}, got "
-                                 f"{type(record).__name__} with keys {keys}; set --text-field")
+                                 f"{type(record).__name__} with keys {keys} ({field}: {got}); set --text-field")
             yield _encode(tokenizer, record[field])
 
 
 def _text_blocks(path: str) -> Iterator[str]:
+    """Whole lines, ~TEXT_BLOCK_CHARS at a time; a longer line is cut at its last space (or tab) in the block."""
     block: list[str] = []
     size = 0
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for line in f:
+    with _utf8_errors(path), open(path, encoding="utf-8", errors="strict") as f:
+        for line in _bounded_lines(f, TEXT_BLOCK_CHARS):
             block.append(line)
             size += len(line)
             if size >= TEXT_BLOCK_CHARS:
@@ -85,9 +117,44 @@ def _text_blocks(path: str) -> Iterator[str]:
         yield "".join(block)
 
 
-def _tokenize_blocks(blocks: Iterable[str], tokenizer) -> np.ndarray:
-    parts = [_encode(tokenizer, b) for b in blocks]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+def _bounded_lines(f, limit: int) -> Iterator[str]:
+    carry = ""
+    while True:
+        part = f.readline(limit - len(carry))  # at most this many characters, however long the line
+        text = carry + part
+        carry = ""
+        if not text:
+            return
+        if not text.endswith("\n") and part and len(text) >= limit:
+            cut = max(text.rfind(" "), text.rfind("\t")) + 1 or len(text)  # no space at all: a hard cut
+            text, carry = text[:cut], text[cut:]
+        yield text
+
+
+@contextlib.contextmanager
+def _utf8_errors(path: str):
+    """A file that is not UTF-8: one line naming the file, the line and byte, and the remedy."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        line, offset = _first_bad_utf8(path)
+        raise ValueError(f"{path}:{line}: expected UTF-8 text, got an invalid byte at offset {offset} ({e.reason}); "
+                         "convert the file (e.g. iconv -f latin1 -t utf-8), or pass token ids as .npy") from None
+
+
+def _first_bad_utf8(path: str, block: int = 1 << 20) -> tuple[int, int]:
+    decoder, consumed, lines = codecs.getincrementaldecoder("utf-8")(), 0, 1
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                offset = consumed - pending + e.start
+                return lines + chunk.count(b"\n", 0, max(e.start - pending, 0)), offset
+            lines += chunk.count(b"\n")
+            consumed += len(chunk)
+    return lines, consumed
 
 
 def _encode(tokenizer, text: str) -> np.ndarray:
@@ -109,12 +176,15 @@ def pack_sequences(documents: Iterable, seq_len: int, separator: int | None) -> 
                 index, offset = index + 1, offset + len(row)
             continue
         starts.append(offset + len(stream) - pos)  # in stream coordinates
-        stream = np.concatenate([stream[pos:], doc] + ([[separator]] if separator is not None else []))
-        pos = 0
-        while len(stream) - pos >= seq_len:
-            yield Sequence(stream[pos:pos + seq_len], _starts_in(starts, offset, offset + seq_len), index, offset)
-            starts = [s for s in starts if s >= offset + seq_len]
-            pos, offset, index = pos + seq_len, offset + seq_len, index + 1
+        pieces = [doc] if isinstance(doc, np.ndarray) else doc
+        for piece in itertools.chain(pieces, [None]):  # None: the document's end, where the separator goes
+            tail = piece if piece is not None else ([separator] if separator is not None else [])
+            stream, pos = np.concatenate([stream[pos:], np.asarray(tail, dtype=np.int64)]), 0
+            while len(stream) - pos >= seq_len:
+                yield Sequence(stream[pos:pos + seq_len], _starts_in(starts, offset, offset + seq_len), index,
+                               offset)
+                starts = [s for s in starts if s >= offset + seq_len]
+                pos, offset, index = pos + seq_len, offset + seq_len, index + 1
     if len(stream) > pos:
         yield Sequence(stream[pos:], _starts_in(starts, offset, offset + len(stream) - pos), index, offset)
 

@@ -139,7 +139,12 @@ def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Te
     where = source
     if source.endswith(".gguf"):
         where, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(source)), os.path.basename(source)
-    tokenizer = AutoTokenizer.from_pretrained(where, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"teacher {source!r}: expected tokenizer files beside the model (tokenizer.json or "
+                         f"tokenizer_config.json), got none usable ({str(e).splitlines()[0][:160]}); save the "
+                         "teacher's tokenizer there with tokenizer.save_pretrained") from None
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs).to(device).eval()
     return Teacher(model=model, tokenizer=tokenizer, source=os.path.abspath(source), dtype=torch_dtype)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from topkd.cache.data import iter_documents, pack_sequences, position_ids
+from topkd.cache.data import iter_documents, pack_sequences, position_ids, whole
 from topkd.eval.heads import final_hidden, head_stats, model_head
 
 
@@ -52,6 +52,7 @@ def _scored_rows(length: int, doc_starts: np.ndarray) -> torch.Tensor:
 def _documents(paths, tokenizer, text_field, max_tokens):
     docs, total, text_bytes = [], 0, 0
     for doc in iter_documents(paths, tokenizer, text_field):
+        doc = whole(doc) if not isinstance(doc, list) else doc
         if isinstance(doc, list):
             raise ValueError("text: expected text documents (.txt or .jsonl), got a 2-D .npy of ready-made "
                              "sequences, whose text bytes are unknown; evaluate the text it came from")

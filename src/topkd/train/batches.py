@@ -104,8 +104,10 @@ class SampleStream:
                 "labels": labels, "doc_start": doc_start}
 
     def batch(self, first_sample: int, size: int) -> dict[str, torch.Tensor]:
+        """Samples [first_sample, first_sample + size), padded to the longest of them (not to seq_len: a short
+        last sample, or a cache of sequences shorter than --seq-len, costs no padded compute)."""
         indices = range(first_sample, first_sample + size)
-        longest = max(sum(e - a for _, a, e in self.locate(i)) for i in indices) if self.units is not None else None
+        longest = max(sum(e - a for _, a, e in self.locate(i)) for i in indices)
         samples = [self.sample(i, longest) for i in indices]
         return {name: torch.stack([s[name] for s in samples]) for name in samples[0]}
 

@@ -147,6 +147,10 @@ def load_latest(out: str, module, optimizer, scheduler, state: dict) -> bool:
                              f"{_dir(out)} to start this run over, or use a new --out")
         return False
     path = os.path.join(_dir(out), f"step-{step:06d}")
+    try:
+        SafeReader(path).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
+        raise ValueError(f"{path}: {e}; delete this checkpoint (or use a new --out)") from None
     model_state, optim_state = get_state_dict(module, optimizer)
     try:
         with _one_process_is_intended():

@@ -32,7 +32,7 @@ class OnlineTeacher:
         self.teacher, self.seq_len, self.k, self.temperatures = teacher, seq_len, k, list(temperatures)
         self.separator = teacher.tokenizer.eos_token_id
         self.vocab_size = teacher.vocab
-        documents = iter_documents(data, teacher.tokenizer, text_field)
+        documents = iter_documents(data, teacher.tokenizer, text_field, vocab=teacher.vocab)
         self.sequences = list(itertools.islice(pack_sequences(documents, seq_len, self.separator),
                                                max_sequences or None))
         if not self.sequences:

@@ -1,0 +1,174 @@
+"""Training never continues silently on damaged or mismatched state: checksummed checkpoints with fallback,
+run fingerprints, NaN steps, --out that would overwrite inputs, signals that checkpoint before stopping."""
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.train.test_train import _cli, config, losses
+from topkd.train import train
+from topkd.train import checkpoint as ckpt
+from topkd.train.student import KDStudent
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+
+
+def _flip_byte(path, offset=-20) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 0x40
+    open(path, "wb").write(data)
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_intact_one(built_cache, tmp_path, capfd):
+    train(config(built_cache, tmp_path / "ref", steps=6, checkpoint_every=2))
+    run = tmp_path / "run"
+    train(config(built_cache, run, steps=4, checkpoint_every=2))
+    newest = run / "checkpoints" / "step-000004"
+    _flip_byte(next(newest.glob("*.distcp")))
+    train(config(built_cache, run, steps=6, checkpoint_every=2))
+    err = capfd.readouterr().err
+    assert f"checkpoint {newest} is damaged" in err and "size or sha256 differs" in err
+    assert losses(run) == losses(tmp_path / "ref")  # resumed from step 2, on the same trajectory
+    assert (run / "checkpoints" / "step-000004.damaged").is_dir()
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(built_cache, tmp_path):
+    train(config(built_cache, tmp_path, steps=2, checkpoint_every=1))
+    for d in (tmp_path / "checkpoints").glob("step-??????"):
+        _flip_byte(d / "train_state.json", 5)
+    with pytest.raises(ValueError, match="every checkpoint is damaged"):
+        train(config(built_cache, tmp_path, steps=3, checkpoint_every=1))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_crafted_checkpoint_pickle_is_never_executed(built_cache, tmp_path, monkeypatch):
+    train(config(built_cache, tmp_path, steps=1))
+    path = tmp_path / "checkpoints" / "step-000001"
+    (path / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    sums = json.load(open(path / "checksums.json"))  # the attacker fixes the checksums too
+    sums[".metadata"] = {"bytes": (path / ".metadata").stat().st_size,
+                         "sha256": ckpt.file_sha256(str(path / ".metadata"))}
+    json.dump(sums, open(path / "checksums.json", "w"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="posix.system|os.system"):
+        train(config(built_cache, tmp_path, steps=2))
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_other_flags_on_an_existing_run_are_refused_but_more_steps_are_not(built_cache, tmp_path):
+    train(config(built_cache, tmp_path, steps=2))
+    with pytest.raises(ValueError, match=r"--lr 0.003 -> 0.01.*only --steps"):
+        train(config(built_cache, tmp_path, steps=4, lr=1e-2))
+    with pytest.raises(ValueError, match="already at step 2, beyond --steps 1"):
+        train(config(built_cache, tmp_path, steps=1))
+    train(config(built_cache, tmp_path, steps=3, loader_workers=0))  # speed flags and more steps: allowed
+    assert len(losses(tmp_path)) == 3
+    assert json.load(open(tmp_path / "config.json"))["steps"] == 3
+
+
+@pytest.mark.parametrize("where", ["student", "cache"])
+def test_out_inside_the_student_or_the_cache_is_refused(built_cache, tmp_path, teacher_dir, where):
+    import shutil
+
+    student = shutil.copytree(teacher_dir, tmp_path / "student")
+    before = (student / "config.json").read_bytes()
+    out = (student if where == "student" else tmp_path / "cache") / "run"
+    cache = shutil.copytree(built_cache, tmp_path / "cache")
+    with pytest.raises(ValueError, match=f"is inside --{where}"):
+        train(config(str(cache), out, init_from_teacher=False, student=str(student)))
+    assert (student / "config.json").read_bytes() == before and not out.exists()
+    with pytest.raises(ValueError, match="is inside --student"):
+        train(config(str(cache), student, init_from_teacher=False, student=str(student)))
+
+
+def _nan_at(step: int):
+    forward = KDStudent.forward
+    calls = {"n": 0}
+
+    def patched(self, batch):
+        calls["n"] += 1
+        loss = forward(self, batch)
+        return loss * float("nan") if calls["n"] == step else loss
+    return patched
+
+
+def test_a_nan_step_stops_the_run_and_keeps_the_last_good_checkpoint(built_cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(KDStudent, "forward", _nan_at(3))
+    with pytest.raises(ValueError, match=r"step 3: loss nan .* newest checkpoint \(step 2\) is intact"):
+        train(config(built_cache, tmp_path, steps=5, checkpoint_every=1))
+    assert ckpt.latest_step(str(tmp_path)) == 2 and ckpt.damage(str(tmp_path / "checkpoints" / "step-000002")) is None
+
+
+def test_skip_nonfinite_skips_the_step_and_the_weights_stay_finite(built_cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(KDStudent, "forward", _nan_at(2))
+    train(config(built_cache, tmp_path, steps=4, skip_nonfinite=True))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r.get("skipped", False) for r in rows] == [False, True, False, False]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_metrics_rows_carry_the_epoch_and_a_multi_epoch_run_warns(built_cache, tmp_path, capfd):
+    train(config(built_cache, tmp_path, steps=4, batch_size=16, warmup_steps=5))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["epoch"] for r in rows] == [0, 0, 0, 1]  # 37 samples per epoch; the epoch a step starts in
+    err = capfd.readouterr().err
+    assert "epochs over the 37 samples" in err and "below --warmup-steps 5" in err
+
+
+def _wait_for_rows(path, n, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and sum(1 for _ in open(path)) >= n:
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_cache, tmp_path, signum):
+    steps, run = 60, tmp_path / "run"
+    proc = subprocess.Popen(_cli(built_cache, run, steps), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for_rows(run / "metrics.jsonl", 5, proc)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("topkd train: stopped at step") and "checkpoint saved to" in line
+    stopped_at = int(line.split("step ")[1].split(";")[0])
+    assert stopped_at < steps and ckpt.latest_step(str(run)) == stopped_at
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    subprocess.run(_cli(built_cache, run, steps), env=ENV, check=True, capture_output=True)
+    subprocess.run(_cli(built_cache, tmp_path / "ref", steps), env=ENV, check=True, capture_output=True)
+    assert losses(run) == losses(tmp_path / "ref")
+
+
+def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
+    """truncate_metrics rewrites the file on resume: killed at random moments, the file is old or new, never cut."""
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": i, "loss": 1.0, "pad": "x" * 5000}) + "\n" for i in range(1, 20_001))
+    script = ("import sys; from topkd.train.checkpoint import truncate_metrics; print('ready', flush=True); "
+              f"truncate_metrics({str(path)!r}, 15000)")
+    killed = 0
+    for delay in (0.12, 0.17, 0.22, 0.27, 0.32, 0.37):  # parsing takes ~0.2 s, then the file is rewritten
+        path.write_text(rows)
+        proc = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"  # imports done: the rewrite starts now
+        time.sleep(delay)
+        proc.kill()
+        killed += proc.wait() == -signal.SIGKILL
+        n = sum(1 for _ in open(path))
+        assert n in (20_000, 15_000), f"metrics.jsonl cut to {n} rows"
+    assert killed >= 2, "the rewrite finished before most kills: make the file larger"
