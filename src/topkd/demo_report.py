@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+from topkd.progress import wrote
+
 MODELS = ("teacher", "student-init", "student-kd", "student-ce")
 
 
@@ -37,6 +39,7 @@ def write_report(out: str, report: dict) -> None:
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     plot(report, os.path.join(out, "demo.png"))
+    wrote("demo", f"report.txt, report.json and demo.png in {out}")
 
 
 def plot(report: dict, path: str) -> None:

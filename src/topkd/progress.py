@@ -19,6 +19,20 @@ from tqdm import tqdm
 INTERVAL_S = 30.0
 
 
+def wrote(command: str, what: str) -> None:
+    """The last word of a command, on stderr (stdout's last line stays the command's JSON where it has one)."""
+    print(f"topkd {command}: wrote {what}", file=sys.stderr, flush=True)
+
+
+def track(items, desc: str, unit: str = "it", total: int | None = None):
+    """Iterate items with progress (tqdm on a terminal, plain lines in a log)."""
+    bar = progress(total=total if total is not None else len(items), desc=desc, unit=unit)
+    for item in items:
+        yield item
+        bar.update(1)
+    bar.close()
+
+
 def progress(total: int | None = None, desc: str = "", unit: str = "it", initial: int = 0, disable: bool = False):
     """A tqdm bar on a terminal, else a PlainProgress; both take update/set_postfix/close."""
     if disable or os.environ.get("TQDM_DISABLE", "") not in ("", "0"):

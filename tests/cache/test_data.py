@@ -62,3 +62,38 @@ def test_seq_len_must_be_at_least_two():
 def test_position_ids_restart_at_document_starts():
     assert position_ids(7, [0, 3, 5]).tolist() == [0, 1, 2, 0, 1, 0, 1]
     assert position_ids(4, []).tolist() == [0, 1, 2, 3]  # row 0 always starts
+
+
+def test_a_huge_single_line_is_read_in_bounded_blocks(tmp_path, monkeypatch):
+    """40 MB on one line: --max-sequences reads only what it uses, and no block exceeds TEXT_BLOCK_CHARS."""
+    import itertools
+
+    from topkd.cache import data
+
+    monkeypatch.setattr(data, "TEXT_BLOCK_CHARS", 1 << 16)
+    path = tmp_path / "one-line.txt"
+    with open(path, "w") as f:
+        for _ in range(40):
+            f.write("word " * ((1 << 20) // 5))  # 1 MB per write, never a newline
+    seen = []
+
+    class Counting(CharTokenizer):
+        def __call__(self, text, add_special_tokens=False):
+            seen.append(len(text))
+            return super().__call__(text)
+    seqs = list(itertools.islice(pack_sequences(iter_documents([str(path)], Counting()), 1000, 0), 3))
+    assert len(seqs) == 3 and sum(seen) <= 2 * (1 << 16)  # one block of at most twice the block size
+    whole_text = path.read_text()[: sum(seen)]
+    assert all(len(s.tokens) == 1000 for s in seqs) and whole_text.startswith("word word")
+
+
+def test_text_blocks_cut_long_lines_at_spaces_and_keep_every_character(tmp_path, monkeypatch):
+    from topkd.cache import data
+
+    monkeypatch.setattr(data, "TEXT_BLOCK_CHARS", 64)
+    text = "short line\n" + " ".join(f"w{i}" for i in range(200)) + "\nx" * 3 + "y" * 150 + "\n"
+    (tmp_path / "t.txt").write_text(text)
+    blocks = list(data._text_blocks(str(tmp_path / "t.txt")))
+    assert "".join(blocks) == text
+    assert all(b.endswith((" ", "\n")) for b in blocks if "yyyy" not in b)  # a spaceless run is cut hard
+    assert max(len(b) for b in blocks) <= 2 * 64

@@ -79,3 +79,36 @@ def test_cpu_chunk_buffer_is_reused_across_calls_and_can_be_released():
     assert c.numel() == 808 and fused._WORKSPACE.buffer.numel() == 808
     fused.release_workspace()
     assert fused._WORKSPACE.buffer is None
+
+
+@pytest.mark.parametrize("impl", ["fused", "chunked", "dense"])
+def test_a_second_backward_works_or_is_refused_clearly(impl):
+    """fused and chunked refuse (before: an AttributeError, and for chunked a silent zero gradient)."""
+    pb = make_problem(n=12, seed=6)
+    x = pb["x"].clone().requires_grad_()
+    loss = topkd.fused_linear_kd(x, pb["w"], pb["ids"], pb["logprobs"], impl=impl)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    if impl != "dense":  # gradients were made in forward and handed over: there is no second set
+        with pytest.raises(RuntimeError, match="second backward through the same loss"):
+            loss.backward()
+    else:
+        loss.backward()
+        torch.testing.assert_close(x.grad, 2 * first)
+
+
+@pytest.mark.parametrize("beta", [1e-9, 1e-6, 1 - 1e-6, 1 - 1e-9])
+@pytest.mark.parametrize("tail", ["bucket", "renorm"])
+def test_jsd_near_the_ends_of_beta_is_never_negative(beta, tail):
+    for seed in range(10):
+        pb = make_problem(n=16, seed=seed)
+        for impl in ("fused", "chunked", "dense"):
+            loss = topkd.fused_linear_kd(pb["x"], pb["w"], pb["ids"], pb["logprobs"], divergence="jsd", beta=beta,
+                                         tail=tail, reduction="none", impl=impl)
+            assert loss.min() >= 0, (seed, impl, float(loss.min()))
+    # the student equal to the teacher: JSD is 0 up to rounding, and rounding must not make it negative
+    logits = pb["x"] @ pb["w"].T
+    top = torch.log_softmax(logits.double(), -1).float().topk(5, -1)
+    same = topkd.fused_linear_kd(pb["x"], pb["w"], top.indices, top.values, divergence="jsd", beta=beta, tail=tail,
+                                 reduction="none")
+    assert same.min() >= 0 and same.max() < 1e-5

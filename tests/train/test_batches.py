@@ -81,3 +81,11 @@ def test_cross_packing_keeps_samples_and_masks_but_attends_across_documents(docu
     assert (a["position_ids"][:, 1:] == 0).any()  # the documents packing restarts somewhere in these samples
     with pytest.raises(ValueError, match="packing: expected one of"):
         SampleStream(documents_cache, 100, 0, packing="padded")
+
+
+def test_short_samples_are_padded_to_the_batch_longest_not_to_seq_len(built_cache):
+    stream = SampleStream(TopKCache(built_cache), seq_len=100, seed=0)  # 1,774 tokens: the 18th sample has 74
+    assert stream.per_epoch == 18
+    last = stream.batch(17, 1)
+    assert last["input_ids"].shape == (1, 74) and bool(last["mask"].any())
+    assert stream.batch(16, 2)["input_ids"].shape == (2, 100)

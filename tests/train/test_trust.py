@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.train.test_train import _cli, config, losses
-from topkd.train import train
 from topkd.train import checkpoint as ckpt
+from topkd.train import train
 from topkd.train.student import KDStudent
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}

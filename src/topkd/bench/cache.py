@@ -28,6 +28,7 @@ from topkd.cache.build import _teacher_sequence
 from topkd.cache.data import iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
+from topkd.progress import wrote
 
 
 @dataclass
@@ -73,6 +74,7 @@ def run_cache_bench(cfg: CacheBenchConfig) -> dict:
     with open(os.path.join(cfg.out, "cache.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({"bench": "cache", "out": cfg.out, "targets": result["targets"]}))
+    wrote("bench cache", f"report.txt and cache.json in {cfg.out}")
     return result
 
 

@@ -23,6 +23,7 @@ from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.point import KD_IMPLS, PEERS
 from topkd.bench.stamp import stamp
 from topkd.loss.fused import DEFAULT_CHUNK_BYTES
+from topkd.progress import wrote
 
 
 @dataclass
@@ -200,4 +201,5 @@ def run_loss_bench(cfg: LossBenchConfig) -> dict:
     print(targets_table(summary["targets"]))
     print(json.dumps({"bench": "loss", "out": cfg.out, "commit": meta["commit"], "points": rows,
                       "targets": summary["targets"]}))
+    wrote("bench loss", f"loss.csv, loss.json and loss.png in {cfg.out}")
     return summary

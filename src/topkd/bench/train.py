@@ -22,6 +22,7 @@ from tqdm import tqdm
 from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.stamp import stamp
 from topkd.bench.train_point import SHAPES
+from topkd.progress import wrote
 
 
 @dataclass
@@ -191,4 +192,5 @@ def run_train_bench(cfg: TrainBenchConfig) -> dict:
     summary = {"bench": "train", "out": cfg.out, "commit": meta["commit"], "points": rows, "loading": loading,
                "targets": targets}
     print(json.dumps(summary))
+    wrote("bench train", f"its tables, JSON and plots in {cfg.out}")
     return summary

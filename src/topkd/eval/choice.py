@@ -21,9 +21,9 @@ import json
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from topkd.eval.heads import final_hidden, head_stats, model_head
+from topkd.progress import track
 
 LETTERS = "ABCDEFGHIJ"
 
@@ -98,7 +98,7 @@ def _item(context, continuations, answer) -> Item | None:
 
 def evaluate_choices(model, tokenizer, items: list[Item]) -> dict:
     correct = correct_norm = 0
-    for item in tqdm(items, desc="eval choices", unit="q", disable=None):
+    for item in track(items, desc="eval choices", unit="q"):
         scores = score_item(model, tokenizer, item)
         lengths = [max(1, len(c[1:] if c.startswith(" ") else c)) for c in item.continuations]
         correct += int(max(range(len(scores)), key=scores.__getitem__) == item.answer)

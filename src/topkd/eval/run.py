@@ -20,6 +20,7 @@ from topkd.cache.teacher import load_teacher
 from topkd.eval.choice import evaluate_choices, load_choice_file
 from topkd.eval.text import evaluate_text
 from topkd.eval.vs_cache import evaluate_vs_cache
+from topkd.progress import wrote
 
 
 @dataclass
@@ -88,6 +89,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         with open(cfg.out, "w") as f:
             json.dump({"config": asdict(cfg), "result": result}, f, indent=1)
     print(json.dumps(result))
+    if cfg.out:
+        wrote("eval", cfg.out)
     return result
 
 

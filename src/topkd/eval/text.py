@@ -16,10 +16,10 @@ import math
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from topkd.cache.data import iter_documents, pack_sequences, position_ids, whole
 from topkd.eval.heads import final_hidden, head_stats, model_head
+from topkd.progress import track
 
 
 def evaluate_text(model, tokenizer, paths: list[str], seq_len: int = 1024, max_tokens: int = 0,
@@ -28,7 +28,7 @@ def evaluate_text(model, tokenizer, paths: list[str], seq_len: int = 1024, max_t
     nll, counted, tokens = 0.0, 0, sum(len(d) for d in documents)
     sequences = list(pack_sequences(documents, seq_len, tokenizer.eos_token_id))
     weight, bias, softcap = model_head(model)
-    for seq in tqdm(sequences, desc="eval text", unit="seq", disable=None):
+    for seq in track(sequences, desc="eval text", unit="seq"):
         ids = torch.from_numpy(seq.tokens)[None].to(weight.device)
         pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(weight.device)
         scored = _scored_rows(len(seq.tokens), seq.doc_starts)

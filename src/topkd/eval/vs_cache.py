@@ -16,11 +16,11 @@ not: it compares the renormalised teacher with the student's full softmax).
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from topkd.cache import TopKCache
 from topkd.eval.heads import final_hidden, head_stats, model_head
 from topkd.loss import fused_linear_kd
+from topkd.progress import track
 from topkd.train.batches import SampleStream
 
 
@@ -37,7 +37,7 @@ def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0) -> dict:
     sums = {"kl_bucket": 0.0, "kl_renorm": 0.0, "top1_agreement": 0.0, "teacher_topk_mass": 0.0,
             "student_mass_on_topk": 0.0}
     counted = 0
-    for i in tqdm(range(n), desc="eval vs cache", unit="seq", disable=None):
+    for i in track(range(n), desc="eval vs cache", unit="seq"):
         sample = {k: v.to(weight.device) for k, v in stream.sample(i).items()}
         mask = sample["mask"]
         if not mask.any():

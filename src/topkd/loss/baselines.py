@@ -42,6 +42,10 @@ class _ChunkedOnLogits(torch.autograd.Function):
             kd_w, ce_w = token_weights(ctx.rows, ctx.spec, "none", compute_dtype(logits.dtype), go)
             return _slices(logits, ctx.rows, ctx.spec, kd_w, ce_w, ctx.chunk)[2], None, None, None, None
         dlogits, ctx.dlogits = ctx.dlogits, None
+        if dlogits is None:
+            raise RuntimeError("fused_linear_kd(impl='chunked') computes dL/dlogits during forward and hands it to the "
+                               "first backward, so a second backward through the same loss (retain_graph=True) has "
+                               "none left; compute the loss again, or use impl='dense'")
         grad = dlogits if bool(go == 1) else dlogits * go.to(dlogits.dtype)
         return grad, None, None, None, None
 

@@ -39,11 +39,13 @@ def reverse_kl(b: Buckets, beta: float) -> Tensor:
 
 
 def jsd(b: Buckets, beta: float) -> Tensor:
-    """Generalised JSD: M = beta P + (1 - beta) Q; beta KL(P || M) + (1 - beta) KL(Q || M)."""
+    """Generalised JSD: M = beta P + (1 - beta) Q; beta KL(P || M) + (1 - beta) KL(Q || M).
+
+    Clamped at 0: near beta = 0 or 1 (or P = Q) the two terms cancel to rounding, which could go negative."""
     log_m = _log_clamped(beta * b.p + (1.0 - beta) * b.q)
     to_teacher = (b.p * (b.log_p - log_m)).sum(-1)
     to_student = (b.q * (b.log_q - log_m)).sum(-1)
-    return beta * to_teacher + (1.0 - beta) * to_student
+    return (beta * to_teacher + (1.0 - beta) * to_student).clamp_min(0.0)
 
 
 def tvd(b: Buckets, beta: float) -> Tensor:

@@ -185,6 +185,10 @@ class FusedLinearKD(torch.autograd.Function):
             scale = None
         else:
             grads, scale = ctx.grads, go
+            if grads is None:
+                raise RuntimeError("fused_linear_kd(impl='fused'/'triton') computes its gradients during forward and "
+                                   "hands them to the first backward, so a second backward through the same loss "
+                                   "(retain_graph=True) has none left; compute the loss again, or use impl='dense'")
             ctx.grads = None  # drop our reference so autograd can adopt the buffers without a copy
         dtypes = ctx.dtypes
         out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), dtypes)]
