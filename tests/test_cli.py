@@ -25,6 +25,17 @@ def _digests(root) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / "shards").glob("*"))}
 
 
+def test_no_pickle_and_no_remote_code_anywhere_in_the_package():
+    """Files a user is handed (caches, checkpoints, models) are read without running code from them."""
+    src = os.path.join(os.path.dirname(topkd.__file__))
+    for root, _, files in os.walk(src):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(root, name)).read()
+                assert "trust_remote_code=True" not in text and "weights_only=False" not in text, name
+                assert "pickle.load(" not in text and "pickle.loads(" not in text, name
+
+
 def test_version():
     res = topkd_cli("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"topkd {topkd.__version__}"
@@ -42,6 +53,8 @@ def test_version():
     (["cache", "build", "--teacher", "TEACHER", "--data", "EMPTY", "--out", "OUT", "--seq-len", "48"],
      "got no tokens"),
     (["cache", "verify", "OUT"], "not a directory"),
+    (["eval", "--model", "TEACHER", "--text", "nope.txt"], "--text/--choices: expected an existing file"),
+    (["eval", "--model", "TEACHER", "--text", "TEXT", "--seq-len", "1"], "seq_len: expected an integer >= 2"),
 ])
 def test_refusals_are_one_line_and_leave_nothing_behind(built_cache, teacher_dir, text_file, tmp_path, args, match):
     import shutil

@@ -70,6 +70,12 @@ def test_sharp_teacher_gives_exact_tempered_mass_and_close_targets(text_file, tm
                                      row["teacher_logprobs"], teacher_logz=row["logz"][:, col],
                                      temperature=temperature)
         assert torch.isfinite(loss)
+    if temperature == 2.0:  # the README's recipe, which crashed mid-run on such a cache: tempered bucket KD trains
+        from topkd.train import TrainConfig, train
+
+        row = train(TrainConfig(cache=str(out), out=str(tmp_path / "run"), init_from_teacher=True, layers=1,
+                                steps=3, batch_size=2, temperature=2.0, tail="bucket", checkpoint_every=0))
+        assert row["step"] == 3 and np.isfinite(row["loss"])
 
 
 @pytest.mark.parametrize("edit", [

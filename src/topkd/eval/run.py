@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
+from topkd.checks import require_device, require_ints, require_path
 from topkd.eval.choice import evaluate_choices, load_choice_file
 from topkd.eval.text import evaluate_text
 from topkd.eval.vs_cache import evaluate_vs_cache
@@ -61,11 +62,30 @@ EVAL_HELP = {
 }
 
 
-def run_eval(cfg: EvalConfig) -> dict:
+def check_config(cfg: EvalConfig) -> None:
+    """Every flag, before the model is loaded: something to evaluate, paths that exist, ranges, the device."""
     if not cfg.model:
         raise ValueError("expected --model (a local HF directory or .gguf file), got none")
     if not (cfg.text or cfg.cache or cfg.choices or cfg.mmlu or cfg.lm_eval):
         raise ValueError("expected something to evaluate: --text, --cache, --choices, --mmlu or --lm-eval")
+    require_path("--model", cfg.model)
+    for path in cfg.text + cfg.choices:
+        require_path("--text/--choices", path, "file")
+    if cfg.cache:
+        require_path("--cache", cfg.cache, "dir")
+    require_ints(cfg, ("seq_len",), 2)
+    require_ints(cfg, ("limit", "max_tokens", "max_sequences"), 0)
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: expected float32 | bfloat16 | float16, got {cfg.dtype!r}")
+    require_device(cfg.device)
+    if cfg.mmlu:
+        mmlu_path()
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    check_config(cfg)
+    if cfg.cache:
+        TopKCache(cfg.cache)  # a refused cache is refused before the model loads
     model_and_tok = load_teacher(cfg.model, cfg.dtype, cfg.device)
     model, tokenizer = model_and_tok.model, model_and_tok.tokenizer
     result = {"model": cfg.name or cfg.model}
