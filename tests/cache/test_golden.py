@@ -11,7 +11,7 @@ from topkd.cache.shard import FORMAT_VERSION, ShardReader, TeacherSequence, enco
 
 GOLDEN_SHA256 = {
     "rice": "80a142e0fe84c415a58ba4fb4224779aa21c01d8eea5a976df45125edc85ec52",
-    "rice-zstd": "272be60580715ebec65e0fdbdb018e598accc6c9e7ec5099868e96bd8cf26506",
+    "rice-zstd": "dc14ffc838b6dc0a525764d27b74f54e8faf50b8cd80ea3a1b79bebb33ccde70",
     "packed": "83980a9b4902f3a8f3b5f6c6a7a0edcdb8d3766ef9fa20387a289895a975a406",
 }
 
@@ -44,7 +44,8 @@ def test_golden_shard_bytes(tmp_path, codec_name):
     assert meta["format_version"] == str(FORMAT_VERSION) == "2" and "__metadata__" not in header
     assert (meta["build_hash"], meta["shard"], meta["sequences"], meta["temperatures"]) == ("ab" * 32, "0", "0,2",
                                                                                           "[2.0]")
-    assert header["lp_scale"]["dtype"] == "F16" and header["log_mass_t"]["shape"] == [3, 1]
+    assert header["log_mass_t"]["shape"] == [3, 1]
+    assert codec_name == "rice-zstd" or header["lp_scale"]["dtype"] == "F16"  # rice-zstd: inside the frames
     assert meta["codec"] == codec_name and meta["k"] == "3" and meta["vocab"] == "300"
     if codec_name != "rice-zstd":
         assert header["lp_codes"] == {"dtype": "U8", "shape": [3, 3],

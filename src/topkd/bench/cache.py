@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from topkd.bench.stamp import stamp
 from topkd.cache import codec
@@ -28,7 +27,7 @@ from topkd.cache.build import _teacher_sequence
 from topkd.cache.data import iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
-from topkd.progress import wrote
+from topkd.progress import track, wrote
 
 
 @dataclass
@@ -90,7 +89,7 @@ def _time_build(teacher, seqs, cfg) -> tuple[dict, list[dict]]:
         teacher.model(warm)  # first-call costs count for neither side
         teacher.topk_rows(warm, cfg.k, temps)
     weight, bias = teacher.head_fp32
-    for batch in tqdm(batches, desc="bench cache", unit="batch"):
+    for batch in track(batches, desc="bench cache", unit="batch"):
         ids = torch.from_numpy(np.stack([s.tokens for s in batch]))
         pos = torch.from_numpy(np.stack([position_ids(ids.shape[1], s.doc_starts) for s in batch]))
         with torch.inference_mode():

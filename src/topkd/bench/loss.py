@@ -17,13 +17,11 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from tqdm import tqdm
-
 from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.point import KD_IMPLS, PEERS
 from topkd.bench.stamp import stamp
 from topkd.loss.fused import DEFAULT_CHUNK_BYTES
-from topkd.progress import wrote
+from topkd.progress import track, wrote
 
 
 @dataclass
@@ -190,7 +188,7 @@ def run_loss_bench(cfg: LossBenchConfig) -> dict:
     meta = {**stamp(cfg.device), "huge_pages": "time only" if not cfg.no_huge_pages and cfg.device == "cpu" else "off"}
     points = [(impl, n) for n in cfg.lengths for impl in cfg.impls]
     rows = []
-    for impl, n in tqdm(points, desc="bench loss", unit="point"):
+    for impl, n in track(points, desc="bench loss", unit="point"):
         if any(r["impl"] == impl and r["status"] == "oom" and r["tokens"] < n for r in rows):
             rows.append({"impl": impl, "tokens": n, "status": "oom", "error": "skipped: OOM at a shorter length"})
             continue

@@ -17,12 +17,10 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from tqdm import tqdm
-
 from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.stamp import stamp
 from topkd.bench.train_point import SHAPES
-from topkd.progress import wrote
+from topkd.progress import progress, wrote
 
 
 @dataclass
@@ -64,7 +62,7 @@ def _point(cfg: TrainBenchConfig, *args: str) -> dict:
 
 def measure(cfg: TrainBenchConfig) -> dict:
     memory, times = [], []
-    bar = tqdm(total=len(cfg.lengths) * (len(cfg.impls) + 1) + 1, desc="bench train", unit="run")
+    bar = progress(total=len(cfg.lengths) * (len(cfg.impls) + 1) + 1, desc="bench train", unit="run")
     for n in cfg.lengths:
         for impl in cfg.impls:
             if any(r["impl"] == impl and r["status"] == "oom" for r in memory):

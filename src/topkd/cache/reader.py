@@ -22,12 +22,13 @@ from topkd.cache import manifest as mf
 from topkd.cache.shard import ShardReader
 from topkd.cache.teacher import tokenizer_hash
 
-SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "seq_rows", "seq_source",
+SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq_rows", "seq_source",
                  "seq_token_offset", "doc_starts"}
 OPEN_SHARDS = 64
 ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "lp_codes", "id_rem",
                "ids_packed"}  # one row per token
-CODEC_TENSORS = {"rice": {"lp_codes", "id_rem", "id_unary", "unary_offsets"}, "packed": {"lp_codes", "ids_packed"},
+CODEC_TENSORS = {"rice": {"lp_scale", "lp_codes", "id_rem", "id_unary", "unary_offsets"},
+                 "packed": {"lp_scale", "lp_codes", "ids_packed"},
                  "rice-zstd": {"zstd_frames", "frame_offsets"}}
 
 

@@ -106,12 +106,16 @@ def _tempered_masses(seqs: list[TeacherSequence], n_temperatures: int) -> np.nda
 
 
 def _zstd_frames(arrays: dict, rows: np.ndarray) -> None:
-    """rice-zstd: per sequence, one zstd frame of its lp_codes, id_rem and unary bytes (random access kept)."""
+    """rice-zstd: per sequence, one zstd frame of its lp_scale, lp_codes, id_rem and unary bytes (random access
+    kept; the scales are nearly all equal, so inside the frame they cost almost nothing)."""
     import zstandard
 
-    lp, rem, unary, uoff = (arrays.pop(n) for n in ("lp_codes", "id_rem", "id_unary", "unary_offsets"))
+    names = ("lp_scale", "lp_codes", "id_rem", "id_unary", "unary_offsets")
+    scale, lp, rem, unary, uoff = (arrays.pop(n) for n in names)
+    scale = scale.astype("<f2")
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
-    frames = [compressor.compress(lp[a:e].tobytes() + rem[a:e].tobytes() + unary[ua:ue].tobytes())
+    frames = [compressor.compress(scale[a:e].tobytes() + lp[a:e].tobytes() + rem[a:e].tobytes() +
+                                  unary[ua:ue].tobytes())
               for a, e, ua, ue in zip(rows, rows[1:], uoff, uoff[1:])]
     arrays["zstd_frames"] = np.frombuffer(b"".join(frames), dtype=np.uint8)
     arrays["frame_offsets"] = np.concatenate([[0], np.cumsum([len(f) for f in frames])]).astype(np.int64)
@@ -187,12 +191,13 @@ class ShardReader:
     def tensor(self, name: str) -> np.ndarray:
         return self._handle().get_tensor(name)
 
-    def _rice_parts(self, j: int, a: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(lp_codes [n, K], id_rem [n, bytes], unary stream) of sequence j, rows [a, e) of the shard."""
+    def _rice_parts(self, j: int, a: int, e: int) -> tuple[np.ndarray, ...]:
+        """(lp_scale [n], lp_codes [n, K], id_rem [n, bytes], unary stream) of sequence j, rows [a, e)."""
         width = (self.k * int(self.meta["rice_b"]) + 7) // 8
         if self.codec == "rice":
             ua, ue = int(self.unary_offsets[j]), int(self.unary_offsets[j + 1])
-            return self.rows("lp_codes", a, e), self.rows("id_rem", a, e), self.rows("id_unary", ua, ue)
+            return (self.rows("lp_scale", a, e), self.rows("lp_codes", a, e), self.rows("id_rem", a, e),
+                    self.rows("id_unary", ua, ue))
         import zstandard
 
         fa, fe = int(self.frame_offsets[j]), int(self.frame_offsets[j + 1])
@@ -201,21 +206,23 @@ class ShardReader:
                                 dtype=np.uint8)
         except zstandard.ZstdError as err:
             raise ValueError(f"{self.path}: zstd frame of sequence {j} does not decode ({err}); the shard is corrupt")
-        n_lp, n_rem = (e - a) * self.k, (e - a) * width
-        if raw.size < n_lp + n_rem:
+        n = e - a
+        sizes = [2 * n, n * self.k, n * width]
+        if raw.size < sum(sizes):
             raise ValueError(f"{self.path}: zstd frame of sequence {j} is {raw.size} bytes, expected at least "
-                             f"{n_lp + n_rem}; the shard is corrupt")
-        return raw[:n_lp].reshape(e - a, self.k), raw[n_lp:n_lp + n_rem].reshape(e - a, width), raw[n_lp + n_rem:]
+                             f"{sum(sizes)}; the shard is corrupt")
+        scale, lp, rem, unary = np.split(raw, np.cumsum(sizes))
+        return scale.view("<f2"), lp.reshape(n, self.k), rem.reshape(n, width), unary
 
     def sequence(self, j: int) -> TeacherSequence:
         """Decode sequence j: ids in rank order, log-probs sorted descending with the exact top-K mass."""
         a, e = int(self.seq_rows[j]), int(self.seq_rows[j + 1])
-        log_mass, scales = self.rows("log_mass", a, e), self.rows("lp_scale", a, e)
+        log_mass = self.rows("log_mass", a, e)
         if self.codec == "packed":
-            logprobs = codec.dequantise_logprobs(self.rows("lp_codes", a, e), log_mass, scales)
+            logprobs = codec.dequantise_logprobs(self.rows("lp_codes", a, e), log_mass, self.rows("lp_scale", a, e))
             ids = codec.unpack_bits(self.rows("ids_packed", a, e), self.k, codec.id_bits(int(self.meta["vocab"])))
         else:
-            lp_codes, remainders, unary = self._rice_parts(j, a, e)
+            scales, lp_codes, remainders, unary = self._rice_parts(j, a, e)
             logprobs = codec.dequantise_logprobs(lp_codes, log_mass, scales)
             ids = codec.decode_rice(remainders, unary, self.k, int(self.meta["rice_b"]))
             rank = np.argsort(-logprobs, axis=1, kind="stable")  # ties keep ascending id order

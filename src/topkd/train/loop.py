@@ -223,7 +223,7 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
                          f"({'none' if last is None else f'step {last}'}) is intact; lower --lr, check the data, or "
                          "pass --skip-nonfinite to skip such steps")
     scheduler.step()
-    epoch = state["samples"] // getattr(stream, "per_epoch", state["samples"] + 1)  # benchmarks hold one batch
+    epoch = state["samples"] // stream.per_epoch
     state["step"] += 1
     state["samples"] += size * cfg.grad_accum * world
     seconds = time.perf_counter() - start
