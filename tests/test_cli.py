@@ -53,6 +53,10 @@ def test_version():
     (["cache", "build", "--teacher", "TEACHER", "--data", "EMPTY", "--out", "OUT", "--seq-len", "48"],
      "got no tokens"),
     (["cache", "verify", "OUT"], "not a directory"),
+    (["train", "--cache", "CACHE", "--out", "OUT", "--init-from-teacher", "--layers", "1", "--divergence", "kld"],
+     "divergence: expected one of"),
+    (["train", "--cache", "CACHE", "--out", "OUT", "--init-from-teacher", "--layers", "1", "--divergence", "jsd",
+      "--beta", "1.5"], "beta"),
     (["eval", "--model", "TEACHER", "--text", "nope.txt"], "--text/--choices: expected an existing file"),
     (["eval", "--model", "TEACHER", "--text", "TEXT", "--seq-len", "1"], "seq_len: expected an integer >= 2"),
 ])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from topkd.checks import require_device, require_ints, require_path
+from topkd.loss.validate import check_names, check_numbers
 from topkd.train.batches import PACKINGS
 
 
@@ -156,6 +157,8 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.packing not in PACKINGS:
         raise ValueError(f"packing: expected one of {PACKINGS}, got {cfg.packing!r}")
     require_device(cfg.device)
+    check_names(cfg.divergence, cfg.tail, cfg.impl, "sum")  # the loss's own checks, before any model loads
+    check_numbers(cfg.temperature, cfg.beta, cfg.ce_weight, cfg.divergence, None)
     for flag, path, kind in (("--cache", cfg.cache, "dir"), ("--teacher", cfg.teacher, "any"),
                              ("--student", cfg.student, "dir")):
         if path:
