@@ -73,8 +73,11 @@ def test_refusals_are_one_line_and_leave_nothing_behind(built_cache, teacher_dir
     assert len(lines) == 1 and lines[0].startswith(f"topkd {' '.join(args[:2]) if args[0] == 'cache' else args[0]}"
                                                    ": error: ") and match in lines[0], res.stderr[-1500:]
     assert not (tmp_path / "out").exists()
-    debug = topkd_cli(*[subst.get(a, a) for a in args], "--debug")
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_debug_shows_the_traceback_instead(tmp_path):
+    res = topkd_cli("cache", "verify", tmp_path / "nope", "--debug")
+    assert res.returncode != 0 and "Traceback" in res.stderr and "CacheError" in res.stderr
 
 
 def test_bad_data_is_named_with_file_position_and_remedy(teacher_dir, tmp_path):

@@ -136,8 +136,16 @@ def _wait_for_rows(path, n, proc, timeout=120):
         time.sleep(0.01)
 
 
+@pytest.fixture(scope="module")
+def reference_losses(built_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    subprocess.run(_cli(built_cache, out, 60), env=ENV, check=True, capture_output=True)
+    return losses(out)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_cache, tmp_path, signum):
+def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_cache, tmp_path, signum,
+                                                                         reference_losses):
     steps, run = 60, tmp_path / "run"
     proc = subprocess.Popen(_cli(built_cache, run, steps), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -151,8 +159,7 @@ def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_ca
     assert stopped_at < steps and ckpt.latest_step(str(run)) == stopped_at
     assert not list((run / "checkpoints").glob("*.tmp"))
     subprocess.run(_cli(built_cache, run, steps), env=ENV, check=True, capture_output=True)
-    subprocess.run(_cli(built_cache, tmp_path / "ref", steps), env=ENV, check=True, capture_output=True)
-    assert losses(run) == losses(tmp_path / "ref")
+    assert losses(run) == reference_losses
 
 
 def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
@@ -162,7 +169,7 @@ def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
     script = ("import sys; from topkd.train.checkpoint import truncate_metrics; print('ready', flush=True); "
               f"truncate_metrics({str(path)!r}, 15000)")
     killed = 0
-    for delay in (0.12, 0.17, 0.22, 0.27, 0.32, 0.37):  # parsing takes ~0.2 s, then the file is rewritten
+    for delay in (0.15, 0.22, 0.29, 0.36):  # parsing takes ~0.2 s, then the file is rewritten
         path.write_text(rows)
         proc = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"  # imports done: the rewrite starts now
@@ -171,4 +178,4 @@ def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
         killed += proc.wait() == -signal.SIGKILL
         n = sum(1 for _ in open(path))
         assert n in (20_000, 15_000), f"metrics.jsonl cut to {n} rows"
-    assert killed >= 2, "the rewrite finished before most kills: make the file larger"
+    assert killed >= 2, "the rewrite finished before the kills: make the file larger"
