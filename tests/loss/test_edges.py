@@ -112,3 +112,19 @@ def test_jsd_near_the_ends_of_beta_is_never_negative(beta, tail):
     same = topkd.fused_linear_kd(pb["x"], pb["w"], top.indices, top.values, divergence="jsd", beta=beta, tail=tail,
                                  reduction="none")
     assert same.min() >= 0 and same.max() < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["fused", "chunked", "dense"])
+def test_autocast_leaves_the_loss_in_its_inputs_precision(impl):
+    """Under bf16 autocast the fused path crashed on the first masked token (a bf16 product copied into fp32 dX)."""
+    pb = make_problem(n=20, seed=8, dtype=torch.float32)
+    mask = torch.ones(20, dtype=torch.bool)
+    mask[3] = False
+    x = pb["x"].float().requires_grad_()
+    w = pb["w"].float()
+    ref = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"], mask=mask, impl=impl)
+    (gref,) = torch.autograd.grad(ref, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"], mask=mask, impl=impl)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert loss.dtype == torch.float32 and torch.equal(loss, ref) and torch.equal(grad, gref)

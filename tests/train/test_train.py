@@ -150,3 +150,9 @@ def test_student_with_logit_soft_capping_is_refused(teacher_dir):
     model.config.final_logit_softcapping = 30.0  # Gemma-2 style: the loss would not see the cap
     with pytest.raises(ValueError, match="expected no final logit soft-capping"):
         KDStudent(model, 1000, {})
+
+
+def test_autocast_bf16_trains_through_masked_tokens(documents_cache, tmp_path):
+    """--autocast-bf16 crashed on the first masked token (separator rows are masked)."""
+    row = train(config(documents_cache.path, tmp_path, steps=2, autocast_bf16=True))
+    assert row["step"] == 2 and row["loss"] == row["loss"]

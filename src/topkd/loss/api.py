@@ -46,7 +46,15 @@ def fused_linear_kd(
     impl: "fused" (default, never forms [N, V]), "chunked" or "dense" (baselines), "triton" (fused, with
     the full-width per-chunk passes as Triton kernels; CUDA).
     chunk_size: rows per chunk; default from a 256 MiB budget for the chunk's logits.
+    Under torch.autocast the loss still computes in its inputs' dtypes: it picks its own precision.
     """
+    with torch.autocast(hidden.device.type, enabled=False):  # autocast's bf16 GEMMs would mix dtypes in dX/dW
+        return _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teacher_logz, divergence, tail,
+                                temperature, beta, labels, ce_weight, reduction, impl, chunk_size, bias)
+
+
+def _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teacher_logz, divergence, tail,
+                     temperature, beta, labels, ce_weight, reduction, impl, chunk_size, bias) -> Tensor:
     validate.check_names(divergence, tail, impl, reduction)
     if impl == "triton":
         validate.check_triton(hidden.dtype, ce_weight, float(temperature))
