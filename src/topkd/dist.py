@@ -18,8 +18,12 @@ def init(device: str) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if not dist.is_initialized() and device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)  # else every rank's collectives and .cuda() land on cuda:0
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    elif not dist.is_initialized():
+        dist.init_process_group("gloo")
     return dist.get_rank(), world
 
 

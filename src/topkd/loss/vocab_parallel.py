@@ -62,7 +62,8 @@ def vocab_parallel_linear_kd(
 def check_group(shard: VocabShard, counted: int, chunk: int) -> None:
     """One all_gather of 5 ints: refuse shards that leave gaps, overlap or disagree on the vocabulary, and
     processes that disagree on the counted tokens or chunk size (their collectives would not line up)."""
-    mine = torch.tensor([shard.start, shard.size, shard.vocab, counted, chunk], dtype=torch.int64)
+    on = "cuda" if dist.get_backend(shard.group) == "nccl" else "cpu"  # NCCL moves GPU tensors only
+    mine = torch.tensor([shard.start, shard.size, shard.vocab, counted, chunk], dtype=torch.int64, device=on)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(shard.group))]
     dist.all_gather(every, mine, group=shard.group)
     spans = sorted((int(e[0]), int(e[1])) for e in every)
