@@ -116,7 +116,7 @@ def test_shard_swapped_in_from_another_cache_or_position_is_refused(cache_copy, 
         victim = os.path.join(cache_copy, "shards", "shard-00001.safetensors")
         shutil.copy(source, victim + ".new")
         os.replace(victim + ".new", victim)
-        from topkd.cache.manifest import file_sha256
+        from topkd.files import file_sha256
 
         def edit(m):  # the attacker edits size and checksum into manifest and sidecar
             m["shards"][1].update(bytes=os.path.getsize(victim), sha256=file_sha256(victim))

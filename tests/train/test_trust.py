@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.train.test_train import _cli, config, losses
+from topkd.files import file_sha256
 from topkd.train import checkpoint as ckpt
 from topkd.train import train
 from topkd.train.student import KDStudent
@@ -57,7 +58,7 @@ def test_a_crafted_checkpoint_pickle_is_never_executed(built_cache, tmp_path, mo
     (path / ".metadata").write_bytes(pickle.dumps(_Boom()))
     sums = json.load(open(path / "checksums.json"))  # the attacker fixes the checksums too
     sums[".metadata"] = {"bytes": (path / ".metadata").stat().st_size,
-                         "sha256": ckpt.file_sha256(str(path / ".metadata"))}
+                         "sha256": file_sha256(str(path / ".metadata"))}
     json.dump(sums, open(path / "checksums.json", "w"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="posix.system|os.system"):

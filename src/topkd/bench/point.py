@@ -24,17 +24,11 @@ import torch
 import topkd
 from topkd.loss.chunk import LossSpec
 from topkd.loss.fused import chunk_rows
+from topkd.memory import status_kib
 
 KD_IMPLS = ("fused", "chunked", "dense")
 GPU_IMPLS = ("triton",)  # fused with Triton kernels: CUDA only, so never in a CPU sweep's defaults
 PEERS = ("liger_jsd", "torch_lce")
-
-
-def _status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 class PeakMemory:
@@ -42,7 +36,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.base = torch.cuda.memory_allocated() if self.cuda else _status_kib("VmRSS") * 1024
+        self.base = torch.cuda.memory_allocated() if self.cuda else status_kib("VmRSS") * 1024
 
     def reset(self) -> None:
         if self.cuda:
@@ -54,7 +48,7 @@ class PeakMemory:
     def peak(self) -> int:
         if self.cuda:
             return torch.cuda.max_memory_allocated() - self.base
-        return _status_kib("VmHWM") * 1024 - self.base
+        return status_kib("VmHWM") * 1024 - self.base
 
 
 def teacher_rows(n: int, vocab: int, k: int, device, seed: int = 0):

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 import topkd
-from topkd.bench.point import PeakMemory, _status_kib, teacher_rows
+from topkd.bench.point import PeakMemory, teacher_rows
+from topkd.memory import status_kib
 from topkd.train.batches import SampleStream
 from topkd.train.config import TrainConfig
 from topkd.train.loop import train_step
@@ -101,7 +102,7 @@ def measure_memory(shape: str, impl: str, tokens: int, layers: int) -> dict:
     memory = PeakMemory(torch.device("cpu"))
     memory.reset()
     seconds = step(module, optimizer, batch, 1)
-    return {"impl": impl, "step_peak_bytes": memory.peak(), "process_peak_bytes": _status_kib("VmHWM") * 1024,
+    return {"impl": impl, "step_peak_bytes": memory.peak(), "process_peak_bytes": status_kib("VmHWM") * 1024,
             "step_s": seconds}
 
 

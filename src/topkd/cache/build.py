@@ -28,6 +28,7 @@ from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher, split_rows
 from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_device, require_ints
+from topkd.files import file_sha256
 from topkd.progress import progress
 from topkd.signals import Interrupted
 
@@ -280,7 +281,7 @@ def _batched(iterable, n: int):
 
 def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
     """Everything besides the teacher that decides the cache's bytes: data files and settings."""
-    data = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": mf.file_sha256(p)} for p in cfg.data]
+    data = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)} for p in cfg.data]
     keep = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "codec", "seqs_per_shard", "max_sequences",
                                                              "text_field")}
     return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}

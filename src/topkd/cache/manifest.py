@@ -8,11 +8,11 @@ A shard counts as done only when its sidecar exists and its size and checksum ma
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
-from topkd.cache.shard import CODECS, FORMAT_VERSION, read_meta, write_atomic
+from topkd.cache.shard import CODECS, FORMAT_VERSION, read_meta
+from topkd.files import file_sha256, json_sha256, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "topkd-topk-cache"
@@ -30,18 +30,6 @@ def sidecar_path(root: str, j: int) -> str:
     return os.path.join(root, "shards", f"shard-{j:05d}.json")
 
 
-def file_sha256(path: str, block: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def json_sha256(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
 def build_hash(fingerprint: dict, build: dict) -> str:
     """The identity of a build: every setting and content hash that decides the cache's bytes.
 
@@ -51,10 +39,6 @@ def build_hash(fingerprint: dict, build: dict) -> str:
     content_fp = {key: value for key, value in fingerprint.items() if key != "teacher"}
     content_build = {**build, "data": [{k: v for k, v in d.items() if k != "path"} for d in build.get("data", [])]}
     return json_sha256({"fingerprint": content_fp, "build": content_build})
-
-
-def write_json_atomic(path: str, obj) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def write_sidecar(root: str, j: int, nbytes: int, first_seq: int, n_seqs: int, tokens: int, build_hash: str) -> dict:

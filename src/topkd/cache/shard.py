@@ -8,7 +8,6 @@ docs/cache-format.md describes every tensor; tests/cache/test_golden.py pins the
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save
 
 from topkd.cache import codec
+from topkd.files import write_atomic
 
 FORMAT_VERSION = 2  # 2: per-token compander scale, exact tempered head mass, shard identity in meta_json
 CODECS = ("rice-zstd", "rice", "packed")
@@ -130,25 +130,6 @@ def write_shard(path: str, arrays: dict, meta: dict) -> int:
     data = save({**arrays, "meta_json": meta_bytes})
     write_atomic(path, data)
     return len(data)
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a signal: no stray temp file, the old file (if any) untouched
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself must survive a crash
-    finally:
-        os.close(dir_fd)
 
 
 def read_meta(path: str) -> dict:

@@ -9,7 +9,6 @@ The body runs to the final hidden states; the lm_head then runs over token chunk
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from topkd.files import json_sha256
 from topkd.loss.chunk import row_blocks
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
@@ -160,15 +160,11 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 def config_hash(config) -> str:
     """sha256 of the model config without where it was loaded from (_name_or_path): content, not spelling."""
-    return _sha256_json({k: v for k, v in config.to_dict().items() if k != "_name_or_path"})
+    return json_sha256({k: v for k, v in config.to_dict().items() if k != "_name_or_path"})
 
 
 def tokenizer_hash(tokenizer) -> str:
     """sha256 of the vocabulary (token -> id) and the special tokens: equal iff tokenisation ids agree."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    return _sha256_json({"vocab": vocab, "special": special})
-
-
-def _sha256_json(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    return json_sha256({"vocab": vocab, "special": special})

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 
 import numpy as np
 
 from topkd.cache.teacher import ALIGNMENT, ATTENTION, tokenizer_hash
+from topkd.files import json_file_sha256
 
 TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
 
@@ -105,7 +105,7 @@ class VLLMTeacher:
         import topkd
 
         return {"teacher": self.source, "weights_sha256": files_hash(self.source),
-                "config_sha256": _file_sha256(os.path.join(self.source, "config.json")),
+                "config_sha256": json_file_sha256(os.path.join(self.source, "config.json")),
                 "tokenizer_sha256": tokenizer_hash(self.tokenizer), "dtype": self.dtype, "vocab_size": self.vocab,
                 "k": k, "temperatures": list(temperatures), "engine": f"vllm {self.vllm.__version__}",
                 "topkd_version": topkd.__version__, "alignment": ALIGNMENT, "attention": ATTENTION}
@@ -124,8 +124,3 @@ def files_hash(model_dir: str) -> str:
             size = int.from_bytes(f.read(8), "little")
             h.update(f"{os.path.basename(path)}:{os.path.getsize(path)}:".encode() + f.read(size))
     return h.hexdigest()
-
-
-def _file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()

@@ -7,6 +7,7 @@ T=1 over the full teacher vocabulary). See docs/loss.md for the math and every o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -48,7 +49,9 @@ def fused_linear_kd(
     chunk_size: rows per chunk; default from a 256 MiB budget for the chunk's logits.
     Under torch.autocast the loss still computes in its inputs' dtypes: it picks its own precision.
     """
-    with torch.autocast(hidden.device.type, enabled=False):  # autocast's bf16 GEMMs would mix dtypes in dX/dW
+    no_autocast = torch.autocast(hidden.device.type, enabled=False) if isinstance(hidden, Tensor) else \
+        contextlib.nullcontext()  # not a tensor: the checks inside refuse it
+    with no_autocast:  # autocast's bf16 GEMMs would mix dtypes in dX/dW
         return _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teacher_logz, divergence, tail,
                                 temperature, beta, labels, ce_weight, reduction, impl, chunk_size, bias)
 

@@ -30,8 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from topkd import dist
-from topkd.cache.manifest import file_sha256
-from topkd.cache.shard import write_atomic
+from topkd.files import file_sha256, fsync_path, write_atomic
 
 KEEP = 2
 STATE_FILE = "train_state.json"
@@ -60,22 +59,14 @@ def save(out: str, module, optimizer, scheduler, state: dict) -> str:
         sums = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": file_sha256(os.path.join(tmp, n))}
                 for n in files}
         for name in sums:  # DCP's own files: durable before the rename makes them trusted
-            _fsync(os.path.join(tmp, name))
+            fsync_path(os.path.join(tmp, name))
         write_atomic(os.path.join(tmp, CHECKSUMS), json.dumps(sums, indent=1, sort_keys=True).encode())
         os.replace(tmp, final)
-        _fsync(_dir(out), directory=True)
+        fsync_path(_dir(out), directory=True)
         for old in _complete(out)[:-KEEP]:
             shutil.rmtree(old)
     dist.barrier()
     return final
-
-
-def _fsync(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -108,7 +108,7 @@ def check_resume(out: str, cfg: TrainConfig, world: int, resuming: bool) -> None
     import json
     import os
 
-    from topkd.cache.shard import write_atomic
+    from topkd.files import write_atomic
 
     path, now = os.path.join(out, RUN_FILE), trajectory(cfg, world)
     if resuming and os.path.exists(path):

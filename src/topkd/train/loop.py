@@ -27,6 +27,7 @@ import torch
 from topkd import dist
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
+from topkd.memory import process_peak_bytes
 from topkd.progress import progress
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
@@ -229,7 +230,7 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
     seconds = time.perf_counter() - start
     return {"step": state["step"], "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "peak_gib": dist.all_max(peak_memory_gib(device)), **({} if finite else {"skipped": True})}
+            "peak_gib": dist.all_max(process_peak_bytes(device) / 2**30), **({} if finite else {"skipped": True})}
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -254,19 +255,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak CUDA memory allocated on a GPU; peak resident set (VmHWM) of the process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return float("nan")
 
 
 def plot_losses(metrics_path: str, out: str) -> None:
