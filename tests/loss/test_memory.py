@@ -75,3 +75,37 @@ def test_gemm_flops_match_the_cost_model(reduction, grad, expected_nvh):
         if grad:
             loss.sum().backward()
     assert count.flops == expected_nvh * 300 * 257 * 8
+
+
+class LiveLargeStorages(TorchDispatchMode):
+    """Counts the distinct storages of at least `numel` elements alive at once (views share their base's)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.live, self.peak = numel, set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.live:
+                    self.live.add(ptr)
+                    self.peak = max(self.peak, len(self.live))
+                    weakref.finalize(t, self.live.discard, ptr)
+        return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_chunked_baseline_holds_one_tokens_by_vocab_tensor(reduction):
+    """dL/dz overwrites the logits: the forward-chunked baseline peaks at one [N, V], not two (199 GiB at 256K)."""
+    pb = make_problem(n=300, vocab=257, hidden=8, k=5, seed=10, dtype=torch.float32)
+    x, w = pb["x"].clone().requires_grad_(), pb["w"].clone().requires_grad_()
+    watch = LiveLargeStorages(int(pb["mask"].sum()) * 257)
+    with watch:
+        loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"].float(), mask=pb["mask"], impl="chunked",
+                                     reduction=reduction, chunk_size=16)
+        loss.sum().backward()
+    assert watch.peak == 1

@@ -2,7 +2,8 @@
 
 - chunked: the paper's forward-chunked KD. Full student logits [N, V] are materialised by
   one GEMM, the loss and dL/dz are computed per slice of rows (same `chunk_step` as fused),
-  and autograd's linear backward spends dL/dz. Memory grows with N x V; 6NVH FLOPs.
+  dL/dz overwriting the logits slice by slice (the linear's backward needs X and W, not its
+  output), and autograd's linear backward spends dL/dz. Memory: one N x V tensor; 6NVH FLOPs.
 - dense: the teacher grid is rebuilt densely [N, V], the student log-softmax is taken over
   the full vocabulary, the K+1 buckets are summed out of the dense grids, and plain autograd
   does the rest. No gradient identity, no exact-tail trick: it is the reference the fused
@@ -27,7 +28,8 @@ class _ChunkedOnLogits(torch.autograd.Function):
         kd_w, ce_w = (token_weights(rows, spec, reduction, compute_dtype(logits.dtype)) if reduction != "none"
                       else (None, None))
         want = ctx.needs_input_grad[0]
-        kd_tok, ce_tok, dlogits = _slices(logits, rows, spec, kd_w if want else None, ce_w, chunk)
+        kd_tok, ce_tok, dlogits = _slices(logits, rows, spec, kd_w if want else None, ce_w, chunk,
+                                          in_place=reduction != "none")
         ctx.reduction, ctx.rows, ctx.spec, ctx.chunk = reduction, rows, spec, chunk
         if reduction == "none":
             ctx.save_for_backward(logits)
@@ -40,7 +42,7 @@ class _ChunkedOnLogits(torch.autograd.Function):
         if ctx.reduction == "none":
             (logits,) = ctx.saved_tensors
             kd_w, ce_w = token_weights(ctx.rows, ctx.spec, "none", compute_dtype(logits.dtype), go)
-            return _slices(logits, ctx.rows, ctx.spec, kd_w, ce_w, ctx.chunk)[2], None, None, None, None
+            return _slices(logits, ctx.rows, ctx.spec, kd_w, ce_w, ctx.chunk, in_place=True)[2], None, None, None, None
         dlogits, ctx.dlogits = ctx.dlogits, None
         if dlogits is None:
             raise RuntimeError("fused_linear_kd(impl='chunked') computes dL/dlogits during forward and hands it to the "
@@ -50,11 +52,13 @@ class _ChunkedOnLogits(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _slices(logits: Tensor, rows: TeacherRows, spec: LossSpec, kd_w, ce_w, chunk: int):
+def _slices(logits: Tensor, rows: TeacherRows, spec: LossSpec, kd_w, ce_w, chunk: int, in_place: bool = False):
+    """Per-token KD (and CE) of each row slice; dL/dlogits too when kd_w is given, written over the logits
+    themselves when in_place (nothing else reads them afterwards: no second [N, V] tensor)."""
     n, cdt = logits.shape[0], compute_dtype(logits.dtype)
     kd_tok = torch.empty(n, dtype=cdt, device=logits.device)
     ce_tok = torch.empty(n, dtype=cdt, device=logits.device) if rows.labels is not None else None
-    dlogits = torch.empty_like(logits) if kd_w is not None else None
+    dlogits = None if kd_w is None else logits if in_place else torch.empty_like(logits)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         z = logits[start:end].to(cdt, copy=True)
