@@ -23,9 +23,9 @@ import statistics
 import subprocess
 import sys
 
-from topkd.bench.stamp import stamp
 from topkd.demo import default_texts, split_texts
 from topkd.eval.run import EvalConfig, run_eval
+from topkd.stamp import stamp
 
 EXPERIMENTS = {
     "fourway": {"online-full": ["--online-k", "0"], "offline-dense": ["--impl", "dense"],

@@ -21,11 +21,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from topkd.bench.stamp import stamp
 from topkd.cache import CacheBuildConfig, TopKCache, build
 from topkd.cache.teacher import load_teacher
 from topkd.demo_report import write_report
 from topkd.eval.run import EvalConfig, run_eval
+from topkd.stamp import stamp
 from topkd.train import TrainConfig, train
 from topkd.train.student import cut_layers
 

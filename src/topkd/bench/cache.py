@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from topkd.bench.stamp import stamp
 from topkd.cache import codec
 from topkd.cache.build import _teacher_sequence
 from topkd.cache.data import iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
 from topkd.progress import track, wrote
+from topkd.stamp import stamp
 
 
 @dataclass

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 from topkd.bench.common import plot_vs_length, run_json_process
 from topkd.bench.point import KD_IMPLS, PEERS
-from topkd.bench.stamp import stamp
 from topkd.loss.fused import DEFAULT_CHUNK_BYTES
 from topkd.progress import track, wrote
+from topkd.stamp import stamp
 
 
 @dataclass

@@ -18,9 +18,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from topkd.bench.common import plot_vs_length, run_json_process
-from topkd.bench.stamp import stamp
 from topkd.bench.train_point import SHAPES
 from topkd.progress import progress, wrote
+from topkd.stamp import stamp
 
 
 @dataclass
