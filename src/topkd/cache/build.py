@@ -27,7 +27,7 @@ from topkd.cache.data import check_paths, iter_documents, pack_sequences, positi
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher, split_rows
 from topkd.cache.vllm_engine import VLLMTeacher
-from topkd.checks import require_device, require_ints
+from topkd.checks import require_device, require_dtype, require_ints
 from topkd.files import file_sha256
 from topkd.progress import progress
 from topkd.signals import Interrupted
@@ -92,8 +92,7 @@ def check_config(cfg: CacheBuildConfig) -> None:
     require_ints(cfg, ("max_sequences",), 0)
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
-    if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype: expected float32 | bfloat16 | float16, got {cfg.dtype!r}")
+    require_dtype(cfg.dtype)
     if cfg.engine not in ("hf", "vllm"):
         raise ValueError(f"engine: expected hf | vllm, got {cfg.engine!r}")
     require_ints(cfg, ("tensor_parallel", "parts"), 1)
@@ -214,34 +213,21 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
     return n_shards
 
 
-def _sequences(teacher, cfg: CacheBuildConfig, counter: list[int] | None = None):
-    """The packed sequences of the build's data (counter[0] accumulates the documents' own tokens)."""
+def _sequences(teacher, cfg: CacheBuildConfig):
+    """The packed sequences of the build's data."""
     docs = iter_documents(cfg.data, teacher.tokenizer, cfg.text_field, vocab=teacher.vocab)
-    if counter is not None:
-        docs = _counted(docs, counter)
     seqs = pack_sequences(docs, cfg.seq_len, teacher.tokenizer.eos_token_id)
     return itertools.islice(seqs, cfg.max_sequences) if cfg.max_sequences else seqs
 
 
-def _counted(docs, counter: list[int]):
-    for doc in docs:
-        if isinstance(doc, list):
-            counter[0] += sum(len(r) for r in doc)
-            yield doc
-        elif isinstance(doc, np.ndarray):
-            counter[0] += len(doc)
-            yield doc
-        else:
-            yield (counter.__setitem__(0, counter[0] + len(block)) or block for block in doc)
-
-
 def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
     """A tokenising pass before the teacher runs: this rank's total for the progress bar and ETA, and a refusal
-    of data with no tokens at all (which would otherwise make a cache of separators that trains on nothing)."""
-    counter, total = [0], 0
-    for j, group in enumerate(_batched(_sequences(teacher, cfg, counter), cfg.seqs_per_shard)):
+    of data with no tokens but separators (which would otherwise make a cache that trains on nothing)."""
+    separator, total, content = teacher.tokenizer.eos_token_id, 0, False
+    for j, group in enumerate(_batched(_sequences(teacher, cfg), cfg.seqs_per_shard)):
         total += sum(len(s.tokens) for s in group) if j % world == rank else 0
-    if counter[0] == 0:
+        content = content or any(bool((s.tokens != separator).any()) for s in group)
+    if not content:
         raise ValueError(f"data: expected some text, got no tokens in {cfg.data} (empty files, or JSONL lines with "
                          "empty text); check the inputs")
     return total
@@ -312,10 +298,14 @@ def _finished(root: str, build_hash: str) -> dict | None:
     if not os.path.exists(os.path.join(root, mf.MANIFEST)):
         return None
     manifest = mf.load_manifest(root)
+    _refuse_another_build(manifest, root, build_hash)
+    return manifest
+
+
+def _refuse_another_build(manifest: dict, root: str, build_hash: str) -> None:
     if manifest["build_hash"] != build_hash:
         raise mf.CacheError(f"{root} holds a finished cache from a different build (teacher, data or settings "
                             "differ); use a new --out directory, or delete it to rebuild")
-    return manifest
 
 
 def _check_or_repair(root: str, build_hash: str) -> None:
@@ -324,16 +314,14 @@ def _check_or_repair(root: str, build_hash: str) -> None:
     bad files and the manifest removed), so the build redoes just those shards."""
     path = os.path.join(root, mf.MANIFEST)
     if not os.path.exists(path):
-        return None
+        return
     try:
         manifest = mf.load_manifest(root)
     except mf.CacheError as e:
         print(f"cache build: {e}; repairing: the manifest is rewritten from the verified shards", flush=True)
         os.remove(path)
         return
-    if manifest["build_hash"] != build_hash:
-        raise mf.CacheError(f"{root} holds a finished cache from a different build (teacher, data or settings "
-                            "differ); use a new --out directory, or delete it to rebuild")
+    _refuse_another_build(manifest, root, build_hash)
     bad = [j for j in range(len(manifest["shards"])) if mf.done_shard(root, j, build_hash, foreign="redo") is None]
     if not bad:
         return

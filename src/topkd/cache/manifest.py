@@ -96,11 +96,11 @@ def _is_hex(value) -> bool:
 def check_shard(root: str, side: dict, checksum: bool = True) -> str | None:
     """None when the shard file matches its sidecar, else what is wrong (place, size, then checksum).
 
-    Only the canonical file name inside the cache is ever opened, and never through a link out of the
-    cache directory: nothing about files elsewhere is read or reported."""
+    `side` has passed check_sidecar, so its file is the canonical name; it is never opened through a link
+    out of the cache directory: nothing about files elsewhere is read or reported."""
     path = os.path.join(root, side["file"])
     inside = os.path.realpath(os.path.join(root, "shards")) + os.sep
-    if side["file"] != shard_name(side["shard"]) or not os.path.realpath(path).startswith(inside):
+    if not os.path.realpath(path).startswith(inside):
         return f"{side['file']}: not a plain file of this cache's shards/ directory (refused)"
     if not os.path.isfile(path):
         return f"{side['file']}: missing"

@@ -220,10 +220,5 @@ class ShardReader:
         exactly the stored tempered mass (quantised far-down entries weigh far more at T > 1 than at T = 1)."""
         log_mass_t = self.rows("log_mass_t", a, e).astype(np.float64)
         lp = logprobs.astype(np.float64)
-        cols = [_logsumexp(lp / t) - log_mass_t[:, i] for i, t in enumerate(self.temperatures)]
+        cols = [np.logaddexp.reduce(lp / t, axis=1) - log_mass_t[:, i] for i, t in enumerate(self.temperatures)]
         return np.stack(cols, axis=1).astype(np.float32) if cols else np.zeros((e - a, 0), np.float32)
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    top = x.max(axis=1)
-    return top + np.log(np.exp(x - top[:, None]).sum(axis=1))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
-from topkd.checks import require_device, require_ints, require_path
+from topkd.checks import require_device, require_dtype, require_ints, require_path
 from topkd.eval.choice import evaluate_choices, load_choice_file
 from topkd.eval.text import evaluate_text
 from topkd.eval.vs_cache import evaluate_vs_cache
@@ -75,8 +75,7 @@ def check_config(cfg: EvalConfig) -> None:
         require_path("--cache", cfg.cache, "dir")
     require_ints(cfg, ("seq_len",), 2)
     require_ints(cfg, ("limit", "max_tokens", "max_sequences"), 0)
-    if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype: expected float32 | bfloat16 | float16, got {cfg.dtype!r}")
+    require_dtype(cfg.dtype)
     require_device(cfg.device)
     if cfg.mmlu:
         mmlu_path()

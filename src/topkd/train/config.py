@@ -1,9 +1,13 @@
 """TrainConfig: every `topkd train` flag, one field each, with its help text."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import os
+from dataclasses import asdict, dataclass, field
 
+from topkd import dist
 from topkd.checks import require_device, require_ints, require_path
+from topkd.files import write_json_atomic
 from topkd.loss.validate import check_names, check_numbers
 from topkd.train.batches import PACKINGS
 
@@ -97,19 +101,12 @@ RUN_FILE = "run.json"
 
 def trajectory(cfg: TrainConfig, world: int) -> dict:
     """Every setting that decides the run's loss trajectory, as stored in OUT/run.json."""
-    from dataclasses import asdict
-
     flags = {k: v for k, v in asdict(cfg).items() if k not in NOT_TRAJECTORY}
     return {**flags, "global_batch_size": cfg.batch_size * world}
 
 
 def check_resume(out: str, cfg: TrainConfig, world: int, resuming: bool) -> None:
     """Refuse to continue a run (one with a checkpoint) in --out under other flags; else record this run's."""
-    import json
-    import os
-
-    from topkd.files import write_atomic
-
     path, now = os.path.join(out, RUN_FILE), trajectory(cfg, world)
     if resuming and os.path.exists(path):
         with open(path) as f:
@@ -119,14 +116,12 @@ def check_resume(out: str, cfg: TrainConfig, world: int, resuming: bool) -> None
             diffs = ", ".join(f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
             raise ValueError(f"{out} holds a run with other settings ({diffs}); rerun with that run's flags to "
                              "resume it (only --steps and speed/memory flags may change), or use a new --out")
-    elif int(os.environ.get("RANK", "0")) == 0:
-        write_atomic(path, (json.dumps(now, indent=1, sort_keys=True) + "\n").encode())
+    elif dist.rank() == 0:
+        write_json_atomic(path, now)
 
 
 def check_paths(cfg: TrainConfig, teacher_dir: str | None = None) -> None:
     """--out must not be (or lie inside) the student, the cache or the teacher: saving would overwrite them."""
-    import os
-
     out = os.path.realpath(cfg.out)
     for flag, path in (("--student", cfg.student), ("--cache", cfg.cache), ("--teacher", cfg.teacher or teacher_dir)):
         if path and os.path.exists(path):

@@ -100,11 +100,12 @@ def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             GiB=f"{row['peak_gib']:.2f}")
-            if dist.all_max(float(stop.signum)):  # every rank stops at the same step
+            signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
+            if signum:
                 bar.close()
                 del steps
                 path = ckpt.save(cfg.out, module, optimizer, scheduler, state)
-                raise Interrupted(int(dist.all_max(float(stop.signum))),
+                raise Interrupted(signum,
                                   f"stopped at step {state['step']}; checkpoint saved to {path}; rerun the same "
                                   "command to resume")
             if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
