@@ -9,6 +9,7 @@
     topkd bench loss [--lengths 1024,4096] [--vocab 32768] [--hidden 512] [--out DIR]
     topkd bench cache --teacher MODEL --data corpus.txt   # bytes/token, decode KL, build overhead
     topkd bench train [--lengths 4096,16384,32768]         # training step memory/time per impl, cache loading
+    topkd bench model [--device h200] [--calibrate]        # cost model: predicted time/memory; vs bench loss here
 
 Every subcommand is also a Python function (topkd.cache.build, topkd.cache.inspect, ...).
 """
@@ -20,6 +21,7 @@ from dataclasses import fields
 
 from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_bench
 from topkd.bench.loss import LossBenchConfig, run_loss_bench
+from topkd.bench.model import MODEL_BENCH_HELP, ModelBenchConfig, run_model_bench
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
 from topkd.cache.inspect import inspect_cache, verify_cache
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(cache_bench, CacheBenchConfig, CACHE_BENCH_HELP)
     train_bench = bench_sub.add_parser("train", help="training step memory and time per loss impl; cache loading")
     add_dataclass_flags(train_bench, TrainBenchConfig, TRAIN_BENCH_HELP)
+    model_bench = bench_sub.add_parser("model", help="cost model: predicted time, TFLOP/s and peak memory per impl "
+                                                     "on a named device; --calibrate against bench loss here")
+    add_dataclass_flags(model_bench, ModelBenchConfig, MODEL_BENCH_HELP)
     return parser
 
 
@@ -137,6 +142,8 @@ def run_command(args) -> int:
         run_cache_bench(_config(CacheBenchConfig, args))
     elif args.command == "bench" and args.bench == "train":
         run_train_bench(_config(TrainBenchConfig, args))
+    elif args.command == "bench" and args.bench == "model":
+        run_model_bench(_config(ModelBenchConfig, args))
     elif args.command == "demo":
         from topkd.demo import run_demo
 

@@ -8,15 +8,16 @@ T=1 over the full teacher vocabulary). See docs/loss.md for the math and every o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import os
+import warnings
 
 import torch
 from torch import Tensor, nn
 
 from topkd.loss import validate
 from topkd.loss.baselines import chunked_linear_kd, dense_linear_kd
-from topkd.loss.chunk import LossSpec, TeacherRows
-from topkd.loss.fused import DEFAULT_CHUNK_BYTES, FusedLinearKD, chunk_rows
+from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows
+from topkd.loss.fused import FusedLinearKD, chunk_rows
 
 
 def fused_linear_kd(
@@ -46,11 +47,12 @@ def fused_linear_kd(
     all-masked batch gives 0 with zero gradients. The loss is fp32 for low-precision inputs.
     impl: "fused" (default, never forms [N, V]), "chunked" or "dense" (baselines), "triton" (fused, with
     the full-width per-chunk passes as Triton kernels; CUDA).
-    chunk_size: rows per chunk; default from a 256 MiB budget for the chunk's logits.
+    chunk_size: rows per chunk; default from the device's budget for the chunk's buffers (CPU 256 MiB, GPU 1 GiB).
     Under torch.autocast the loss still computes in its inputs' dtypes: it picks its own precision.
     """
-    no_autocast = torch.autocast(hidden.device.type, enabled=False) if isinstance(hidden, Tensor) else \
-        contextlib.nullcontext()  # not a tensor: the checks inside refuse it
+    device_type = hidden.device.type if isinstance(hidden, Tensor) else "meta"  # not a tensor: refused inside
+    no_autocast = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
+        else contextlib.nullcontext()  # meta (cost-model traces) has no autocast
     with no_autocast:  # autocast's bf16 GEMMs would mix dtypes in dX/dW
         return _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teacher_logz, divergence, tail,
                                 temperature, beta, labels, ce_weight, reduction, impl, chunk_size, bias)
@@ -66,8 +68,8 @@ def _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teache
         dict(divergence=divergence, tail=tail, temperature=temperature, beta=beta, ce_weight=ce_weight),
         chunk_size, weight.shape[0])
     if impl in ("fused", "triton"):
-        spec = dataclasses.replace(spec, kernel="triton" if impl == "triton" else "torch")
-        return run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, hidden.shape[:-1])
+        return run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, hidden.shape[:-1],
+                         kernels=kernels_for(impl, hidden, spec))
     counted = x if row_index is None else x.index_select(0, row_index)
     if impl == "chunked":
         loss = chunked_linear_kd(counted, weight, bias, rows, spec, reduction, chunk)
@@ -76,10 +78,42 @@ def _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teache
     return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(hidden.shape[:-1])
 
 
-def run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, lead, shard=None) -> Tensor:
+KERNELS_ENV = "TOPKD_FUSED_KERNELS"  # auto | torch | triton: what impl="fused" runs (torch: bisect a kernel bug)
+
+
+def kernels_for(impl: str, hidden: Tensor, spec: LossSpec) -> Kernels:
+    """The full-width chunk passes, chosen once per call. impl="triton": Triton (validated before). impl="fused":
+    Triton on a GPU where its kernels cover the call (one read for the softmax statistics, one read + write for
+    dL/dz), the torch ops (the reference) everywhere else."""
+    choice = "triton" if impl == "triton" else os.environ.get(KERNELS_ENV, "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{KERNELS_ENV}: expected auto, torch or triton, got {choice!r}")
+    if choice == "auto":
+        covered = hidden.device.type in ("cuda", "meta") and hidden.dtype != torch.float64 and \
+            not (spec.ce_weight > 0 and spec.temperature != 1.0)
+        choice = "triton" if covered and _triton_here(hidden.device.type) else "torch"
+    if choice == "torch":
+        return TORCH_KERNELS
+    from topkd.loss.triton_chunk import TRITON_KERNELS
+
+    return TRITON_KERNELS
+
+
+def _triton_here(device_type: str) -> bool:
+    from topkd.loss import triton_chunk
+
+    problem = triton_chunk.available()
+    if problem and device_type == "cuda":
+        warnings.warn(f"impl='fused' on CUDA runs its softmax passes as torch ops (~15% slower): {problem}",
+                      stacklevel=4)
+    return problem is None
+
+
+def run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, lead, shard=None,
+              kernels: Kernels = TORCH_KERNELS) -> Tensor:
     """The fused driver under autograd on prepare()'s outputs; "none" is scattered back to shape `lead`."""
     grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted, shard)
+    loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted, shard, kernels)
     return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(lead)
 
 
@@ -105,7 +139,7 @@ def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_l
     spec = LossSpec(o["divergence"], o["tail"], float(o["temperature"]), float(o["beta"]), float(o["ce_weight"]),
                     full_support=(k == vocab))
     chunk = chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
-                                     DEFAULT_CHUNK_BYTES)
+                                     hidden.device.type)
     return x, row_index, rows, spec, chunk
 
 

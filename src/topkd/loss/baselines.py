@@ -17,7 +17,7 @@ from torch import Tensor
 
 from topkd.loss.chunk import LossSpec, TeacherRows, chunk_step
 from topkd.loss.divergences import DIVERGENCES, make_buckets, teacher_buckets
-from topkd.loss.fused import _reduce, compute_dtype, token_weights
+from topkd.loss.fused import _reduce, compute_dtype, is_one, token_weights
 
 
 class _ChunkedOnLogits(torch.autograd.Function):
@@ -48,7 +48,7 @@ class _ChunkedOnLogits(torch.autograd.Function):
             raise RuntimeError("fused_linear_kd(impl='chunked') computes dL/dlogits during forward and hands it to the "
                                "first backward, so a second backward through the same loss (retain_graph=True) has "
                                "none left; compute the loss again, or use impl='dense'")
-        grad = dlogits if bool(go == 1) else dlogits * go.to(dlogits.dtype)
+        grad = dlogits if is_one(go) else dlogits.mul_(go.to(dlogits.dtype))  # in place: no second [N, V]
         return grad, None, None, None, None
 
 
@@ -64,12 +64,11 @@ def _slices(logits: Tensor, rows: TeacherRows, spec: LossSpec, kd_w, ce_w, chunk
         z = logits[start:end].to(cdt, copy=True)
         kd, ce = chunk_step(z, rows.slice(start, end), spec,
                             None if kd_w is None else kd_w[start:end],
-                            None if ce_w is None or kd_w is None else ce_w[start:end])
+                            None if ce_w is None or kd_w is None else ce_w[start:end],
+                            grad_out=None if dlogits is None else dlogits[start:end])  # cast as it is written
         kd_tok[start:end] = kd
         if ce_tok is not None:
             ce_tok[start:end] = ce
-        if dlogits is not None:
-            dlogits[start:end] = z
     return kd_tok, ce_tok, dlogits
 
 

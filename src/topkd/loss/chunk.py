@@ -36,7 +36,6 @@ class LossSpec:
     beta: float = 0.5
     ce_weight: float = 0.0
     full_support: bool = False  # K == V: the teacher tail is exactly zero
-    kernel: str = "torch"  # "triton": the two full-width passes as Triton kernels (topkd.loss.triton_chunk)
 
 
 @dataclass(frozen=True)
@@ -155,14 +154,19 @@ def chunk_step(
     kd_weight: Tensor | None = None,
     ce_weight: Tensor | None = None,
     shard: VocabShard | None = None,
+    grad_out: Tensor | None = None,
+    kernels: "Kernels | None" = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Per-token (kd, ce) losses for one chunk; with kd_weight, z becomes dL/dz.
+    """Per-token (kd, ce) losses for one chunk; with kd_weight, dL/dz is written to grad_out (default: z).
 
     z: [C, V] logits in the compute dtype (overwritten); with a shard, [C, shard.size] columns.
     kd_weight / ce_weight: [C] weights of each token's kd and ce terms in the total loss
     (ce_weight already includes spec.ce_weight and zeros for ignored labels). kd is returned
-    already scaled by T^2.
+    already scaled by T^2. grad_out: a [C, V] buffer in the GEMMs' dtype (bf16), so dL/dz is cast
+    in the same pass that writes it. kernels: the two full-width passes (default TORCH_KERNELS).
     """
+    kernels = kernels or TORCH_KERNELS
+    out = z if grad_out is None else grad_out
     temp, cdt = spec.temperature, z.dtype
     ids = rows.ids.long()
     labels = None if rows.labels is None else rows.labels.clamp_min(0).unsqueeze(1)
@@ -173,12 +177,7 @@ def chunk_step(
         untempered = torch.sub(z, m1).exp_()
         total1 = _row_sum(untempered, shard)
         lse1 = m1.squeeze(1) + total1.log()
-    if spec.kernel == "triton":  # z is left as raw logits with -inf at the ids; tail_grad finishes it
-        from topkd.loss import triton_chunk
-
-        m, z_ids, tail_sum, total = triton_chunk.softmax_stats(z, ids, temp)
-    else:
-        m, z_ids, tail_sum, total = _softmax_stats(z, ids, temp, shard)
+    m, z_ids, tail_sum, total = kernels.softmax_stats(z, ids, temp, shard)
     if untempered is None and labels is not None:
         total1, lse1 = total, m + total.log()
     log_total = total.log()
@@ -198,20 +197,20 @@ def chunk_step(
         kd = divergence(make_buckets(p, log_p, log_q), spec.beta)
         (u,) = torch.autograd.grad((kd * kd_weight.to(cdt)).sum() * scale, log_q)
     shared_ce = ce_weight.to(cdt) if labels is not None and untempered is None else None
-    _write_grad(z, ids, u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce, shard,
-                m if spec.kernel == "triton" else None)
+    dense, at_ids = _grad_coefficients(u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce)
+    kernels.write_grad(z, m, dense, ids, at_ids, temp, out, shard)
     if labels is not None:
         w = ce_weight.to(cdt)
         if untempered is not None:  # T != 1: add w * softmax(z) from the untempered buffer
-            z.add_(untempered.mul_((w / total1).unsqueeze(1)))
-        _put(z, labels, -w.unsqueeze(1), shard, accumulate=True)
+            out.add_(untempered.mul_((w / total1).unsqueeze(1)))
+        _put(out, labels, -w.unsqueeze(1).to(out.dtype), shard, accumulate=True)
     return kd.detach() * scale, ce
 
 
-def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tensor, total: Tensor,
-                temp: float, shared_ce: Tensor | None, shard: VocabShard | None = None,
-                triton_max: Tensor | None = None) -> None:
-    """z holds exp(zT - m) with zeros at ids; turn it into dL/dz (plus w * softmax if shared_ce)."""
+def _grad_coefficients(u: Tensor, q_ids: Tensor, tail_sum: Tensor, total: Tensor, temp: float,
+                       shared_ce: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(dense [C, 1], at_ids [C, K]): dL/dz = dense * exp(z/T - m) off the ids, at_ids at them
+    (plus w * softmax if shared_ce, T == 1)."""
     u_sum = u.sum(dim=1)
     safe_tail = torch.where(tail_sum > 0, tail_sum, torch.ones_like(tail_sum))
     tail_ratio = torch.where(tail_sum > 0, u[:, -1] / safe_tail, torch.zeros_like(tail_sum))
@@ -220,15 +219,31 @@ def _write_grad(z: Tensor, ids: Tensor, u: Tensor, q_ids: Tensor, tail_sum: Tens
     if shared_ce is not None:  # T == 1: softmax(z) = q, so CE's w * q folds into the same terms
         dense = dense + shared_ce / total
         at_ids = at_ids + shared_ce.unsqueeze(1) * q_ids
-    if triton_max is not None:
-        from topkd.loss import triton_chunk
+    return dense.unsqueeze(1), at_ids
 
-        triton_chunk.grad_write(z, triton_max, dense, ids, at_ids, temp)
-        return
-    dense = dense.unsqueeze(1)
+
+def _write_grad(z: Tensor, m: Tensor, dense: Tensor, ids: Tensor, at_ids: Tensor, temp: float, out: Tensor,
+                shard: VocabShard | None = None) -> None:
+    """z holds exp(z/T - m) with zeros at ids (from _softmax_stats): out <- dense * z, then at_ids at the ids.
+    out may be z itself, or a low-precision buffer (the cast happens in the same pass)."""
     if shard is not None:
-        z.mul_(dense)
-        _put(z, ids, at_ids, shard)
+        torch.mul(z, dense, out=out)
+        _put(out, ids, at_ids.to(out.dtype), shard)
         return
+    at_ids = at_ids.to(out.dtype)
     for a, b in row_blocks(z):
-        z[a:b].mul_(dense[a:b]).scatter_(1, ids[a:b], at_ids[a:b])
+        torch.mul(z[a:b], dense[a:b], out=out[a:b]).scatter_(1, ids[a:b], at_ids[a:b])
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The two full-width passes over a chunk's [C, V] logits; the rest of chunk_step is [C] or [C, K] math.
+    softmax_stats(z, ids, T, shard) -> (max, shifted id logits, tail sum, total), leaving z for write_grad;
+    write_grad(z, max, dense, ids, at_ids, T, out, shard) writes dL/dz into out."""
+
+    name: str
+    softmax_stats: object
+    write_grad: object
+
+
+TORCH_KERNELS = Kernels("torch", _softmax_stats, _write_grad)

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from topkd.loss.chunk import LossSpec, TeacherRows, VocabShard, chunk_step
+from topkd.loss import gemm
+from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows, VocabShard, chunk_step
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # CPU: the chunk's buffers fit in L3-ish sizes; GEMMs are efficient at 2K rows
+GPU_CHUNK_BYTES = 2**30  # GPU: rows enough that W and dW traffic hides under the GEMMs (~800 rows at V=201K)
+GPU_ROW_MULTIPLE = 128  # tensor-core tile
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -25,15 +28,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_rows(vocab: int, dtype: torch.dtype, spec: LossSpec, has_labels: bool,
-               budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Rows per chunk so the chunk's [C, V] buffers fit in budget_bytes."""
+def chunk_rows(vocab: int, dtype: torch.dtype, spec: LossSpec, has_labels: bool, device_type: str = "cpu",
+               budget_bytes: int | None = None) -> int:
+    """Rows per chunk so the chunk's [C, V] buffers fit the device's budget (CPU 256 MiB, GPU 1 GiB): the fp32
+    logits (two with CE at T != 1) and, for bf16/fp16 inputs, the low-precision dL/dz the GEMMs read (plus,
+    on a CPU, the GEMM's low-precision output). On a GPU rows are a multiple of 128."""
     cdt = compute_dtype(dtype)
     buffers = 2 if (has_labels and spec.temperature != 1.0) else 1
     per_row = vocab * buffers * torch.finfo(cdt).bits // 8
-    if dtype != cdt:  # the low-precision GEMM output and the cast dL/dz
-        per_row += 2 * vocab * torch.finfo(dtype).bits // 8
-    return max(1, budget_bytes // per_row)
+    if dtype != cdt:
+        per_row += (1 if device_type != "cpu" else 2) * vocab * torch.finfo(dtype).bits // 8
+    cpu = device_type == "cpu"
+    rows = max(1, (budget_bytes or (DEFAULT_CHUNK_BYTES if cpu else GPU_CHUNK_BYTES)) // per_row)
+    return rows if cpu or rows < GPU_ROW_MULTIPLE else rows - rows % GPU_ROW_MULTIPLE
 
 
 _WORKSPACE = threading.local()
@@ -81,9 +88,11 @@ def token_weights(rows: TeacherRows, spec: LossSpec, reduction: str, dtype: torc
     return kd_w, ce_w
 
 
-def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, chunk, shard=None):
+def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, chunk, shard=None,
+               kernels: Kernels = TORCH_KERNELS):
     """The driver: per-token (kd, ce) losses, and gradients for the inputs flagged in needs.
-    With a VocabShard, weight and bias are this process's rows and dX is summed over the group."""
+    With a VocabShard, weight and bias are this process's rows and dX is summed over the group.
+    No host syncs inside the loop: a GPU runs ahead of Python for the whole call."""
     n, cdt = len(rows), compute_dtype(hidden.dtype)
     grads = _Grads(
         hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden)) if needs[0] else None,
@@ -95,56 +104,38 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
     ce_tok = torch.empty(n, dtype=cdt, device=hidden.device) if rows.labels is not None else None
     buf = chunk_buffer(min(chunk, n), weight.shape[0], cdt, hidden.device)
     want_grad = any(needs)
+    # bf16/fp16 inputs: dL/dz is written (cast in the same pass) into a buffer in the GEMMs' dtype
+    low = torch.empty_like(buf, dtype=hidden.dtype) if want_grad and hidden.dtype != cdt else None
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         x = hidden[start:end] if row_index is None else hidden.index_select(0, row_index[start:end])
-        z = _project(x, weight, bias, buf[: end - start])
+        z = gemm.project(x, weight, bias, buf[: end - start])
+        dz = z if low is None else low[: end - start]
         kd, ce = chunk_step(z, rows.slice(start, end), spec,
                             kd_w[start:end] if want_grad else None,
-                            None if ce_w is None or not want_grad else ce_w[start:end], shard)
+                            None if ce_w is None or not want_grad else ce_w[start:end], shard, dz, kernels)
         kd_tok[start:end] = kd
         if ce_tok is not None:
             ce_tok[start:end] = ce
         if want_grad:
-            _spend_grad(z, x, weight, grads, row_index, start, end, first=start == 0)
+            _spend_grad(dz, x, weight, grads, row_index, start, end, first=start == 0)
     if shard is not None and grads.hidden is not None:  # each process's columns contribute to every dX row
         shard.all_reduce(grads.hidden, "sum")
     return kd_tok, ce_tok, grads
 
 
-PROJECT_VOCAB_BLOCK = 8192  # logits GEMM in vocab blocks: same speed, and the CPU BLAS workspace stays small
-
-
-def _project(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
-    if x.dtype != out.dtype:  # low-precision GEMM, then fp32 for the softmax math
-        out.copy_(x @ weight.t())
-    elif x.device.type != "cpu":
-        torch.mm(x, weight.t(), out=out)
-    else:  # one GEMM over all of V makes MKL allocate ~20 MB of packing space; blocks of 8K columns need ~9 MB
-        for a in range(0, weight.shape[0], PROJECT_VOCAB_BLOCK):
-            torch.mm(x, weight[a:a + PROJECT_VOCAB_BLOCK].t(), out=out[:, a:a + PROJECT_VOCAB_BLOCK])
-    if bias is not None:
-        out.add_(bias)
-    return out
-
-
 def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index, start: int, end: int,
                 first: bool) -> None:
-    """dX rows = dz W; dW (=, then +=) dz^T x; db += sum dz (dW, db accumulate in the compute dtype)."""
-    dz_in = dz if dz.dtype == x.dtype else dz.to(x.dtype)
+    """dX rows = dz W; dW (=, then +=) dz^T x; db += sum dz. dz is in x's dtype; dW and db accumulate in fp32."""
     if grads.hidden is not None:
         if row_index is None:
-            torch.mm(dz_in, weight, out=grads.hidden[start:end])
+            torch.mm(dz, weight, out=grads.hidden[start:end])
         else:
-            grads.hidden.index_copy_(0, row_index[start:end], dz_in @ weight)
+            grads.hidden.index_copy_(0, row_index[start:end], dz @ weight)
     if grads.weight is not None:
-        if dz_in.dtype == grads.weight.dtype:  # beta=0: the uninitialised buffer is ignored, never read
-            grads.weight.addmm_(dz_in.t(), x, beta=0.0 if first else 1.0)
-        else:
-            product = dz_in.t() @ x
-            grads.weight.copy_(product) if first else grads.weight.add_(product)
+        gemm.accumulate(grads.weight, dz.t(), x, first)
     if grads.bias is not None:
-        grads.bias.add_(dz.sum(dim=0))
+        grads.bias.add_(dz.sum(dim=0, dtype=grads.bias.dtype))
 
 
 def _reduce(kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, spec: LossSpec, reduction: str) -> Tensor:
@@ -160,13 +151,13 @@ class FusedLinearKD(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted,
-                shard: VocabShard | None = None):
+                shard: VocabShard | None = None, kernels: Kernels = TORCH_KERNELS):
         needs = tuple(bool(f) and grad_wanted for f in ctx.needs_input_grad[:3])
         grad_now = any(needs) and reduction != "none"
         kd_w, ce_w = token_weights(rows, spec, reduction, compute_dtype(hidden.dtype)) if grad_now else (None, None)
         kd_tok, ce_tok, grads = run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w,
-                                           needs if grad_now else (False, False, False), chunk, shard)
-        ctx.reduction, ctx.needs, ctx.shard = reduction, needs, shard
+                                           needs if grad_now else (False, False, False), chunk, shard, kernels)
+        ctx.reduction, ctx.needs, ctx.shard, ctx.kernels = reduction, needs, shard, kernels
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         if reduction == "none" and any(needs):
             ctx.save_for_backward(hidden, weight, bias, row_index)
@@ -181,7 +172,7 @@ class FusedLinearKD(torch.autograd.Function):
             hidden, weight, bias, row_index = ctx.saved_tensors
             kd_w, ce_w = token_weights(ctx.rows, ctx.spec, "none", compute_dtype(hidden.dtype), go)
             grads = run_chunks(hidden, weight, bias, row_index, ctx.rows, ctx.spec, kd_w, ce_w, ctx.needs, ctx.chunk,
-                               ctx.shard)[2]
+                               ctx.shard, ctx.kernels)[2]
             scale = None
         else:
             grads, scale = ctx.grads, go
@@ -192,13 +183,21 @@ class FusedLinearKD(torch.autograd.Function):
             ctx.grads = None  # drop our reference so autograd can adopt the buffers without a copy
         dtypes = ctx.dtypes
         out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), dtypes)]
-        return (*out, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def is_one(scale: Tensor) -> bool:
+    """grad_output == 1, asked only where asking is free: on a GPU (or meta) the answer is a host sync, so
+    there the scaling is simply done."""
+    return scale.device.type == "cpu" and bool(scale == 1)
 
 
 def _finish(grad: Tensor | None, dtype: torch.dtype, scale: Tensor | None) -> Tensor | None:
-    """Scale by grad_output (skipped when it is 1) and return in the input's dtype."""
+    """Scale by grad_output and return in the input's dtype: one pass over the gradient (none when neither)."""
     if grad is None:
         return None
-    if scale is not None and not bool(scale == 1):
-        grad = grad * scale.to(grad.dtype)
-    return grad.to(dtype)
+    if scale is None or is_one(scale):
+        return grad.to(dtype)
+    if grad.dtype == dtype:
+        return grad.mul_(scale.to(dtype))
+    return torch.mul(grad, scale.to(grad.dtype), out=torch.empty(grad.shape, dtype=dtype, device=grad.device))

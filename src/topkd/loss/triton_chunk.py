@@ -20,6 +20,9 @@ import os
 import torch
 from torch import Tensor
 
+from topkd import trace
+from topkd.loss.chunk import Kernels
+
 try:
     import triton
     import triton.language as tl
@@ -37,7 +40,7 @@ def available() -> str | None:
 
 
 def check_device(z: Tensor) -> None:
-    if z.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if z.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and not trace.tracing_meta(z):
         raise ValueError(f"impl='triton': expected CUDA tensors, got {z.device}; use impl='fused' on CPU "
                          "(TRITON_INTERPRET=1 runs the kernels on CPU for tests only)")
 
@@ -64,23 +67,25 @@ if triton is not None:
         tl.store(sum_ptr + row, tl.sum(run_sum * lane, 0))
 
     @triton.jit
-    def _tail_grad_kernel(z_ptr, max_ptr, coef_ptr, stride, vocab, inv_t, BLOCK: tl.constexpr):
+    def _tail_grad_kernel(z_ptr, out_ptr, max_ptr, coef_ptr, stride, out_stride, vocab, inv_t, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         base = z_ptr + row.to(tl.int64) * stride
+        out_base = out_ptr + row.to(tl.int64) * out_stride
         row_max = tl.load(max_ptr + row)
         coef = tl.load(coef_ptr + row)
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < vocab
             z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            tl.store(base + cols, tl.exp((z - row_max) * inv_t) * coef, mask=mask)
+            grad = tl.exp((z - row_max) * inv_t) * coef
+            tl.store(out_base + cols, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(vocab: int) -> int:
     return min(BLOCK_V, triton.next_power_of_2(vocab))
 
 
-def softmax_stats(z: Tensor, ids: Tensor, temperature: float):
+def softmax_stats(z: Tensor, ids: Tensor, temperature: float, shard=None):
     """As topkd.loss.chunk._softmax_stats, but z is left as raw logits with -inf at the ids (see grad_write)."""
     check_device(z)
     z_ids = z.gather(1, ids)
@@ -88,7 +93,8 @@ def softmax_stats(z: Tensor, ids: Tensor, temperature: float):
     n = z.shape[0]
     tail_max = torch.empty(n, dtype=z.dtype, device=z.device)
     tail_sum = torch.empty(n, dtype=z.dtype, device=z.device)
-    if n:
+    trace.declare("triton_tail_stats", z.numel() * z.element_size(), 2 * n * 4, z.numel())
+    if n and not trace.tracing_meta(z):
         _tail_stats_kernel[(n,)](z, tail_max, tail_sum, z.stride(0), z.shape[1], 1.0 / temperature,
                                  BLOCK=_block(z.shape[1]))
     m = torch.maximum(tail_max, z_ids.amax(dim=1))
@@ -97,10 +103,16 @@ def softmax_stats(z: Tensor, ids: Tensor, temperature: float):
     return m, z_ids, tail_sum, tail_sum + z_ids.exp().sum(dim=1)
 
 
-def grad_write(z: Tensor, m: Tensor, dense: Tensor, ids: Tensor, at_ids: Tensor, temperature: float) -> None:
-    """z (raw logits, -inf at ids) <- exp((z - m)/T) * dense per row, then the ids' own gradients."""
+def grad_write(z: Tensor, m: Tensor, dense: Tensor, ids: Tensor, at_ids: Tensor, temperature: float, out: Tensor,
+               shard=None) -> None:
+    """out <- exp((z - m)/T) * dense per row (z: raw logits, -inf at ids; out may be z or a bf16 buffer, cast in
+    the same pass), then the ids' own gradients."""
     n = z.shape[0]
-    if n:
-        _tail_grad_kernel[(n,)](z, m.contiguous(), dense.contiguous(), z.stride(0), z.shape[1], 1.0 / temperature,
-                                BLOCK=_block(z.shape[1]))
-    z.scatter_(1, ids, at_ids)
+    trace.declare("triton_tail_grad", z.numel() * z.element_size(), out.numel() * out.element_size(), z.numel())
+    if n and not trace.tracing_meta(z):
+        _tail_grad_kernel[(n,)](z, out, m.contiguous(), dense.reshape(-1).contiguous(), z.stride(0), out.stride(0),
+                                z.shape[1], 1.0 / temperature, BLOCK=_block(z.shape[1]))
+    out.scatter_(1, ids, at_ids.to(out.dtype))
+
+
+TRITON_KERNELS = Kernels("triton", softmax_stats, grad_write)
