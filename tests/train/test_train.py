@@ -156,3 +156,27 @@ def test_autocast_bf16_trains_through_masked_tokens(documents_cache, tmp_path):
     """--autocast-bf16 crashed on the first masked token (separator rows are masked)."""
     row = train(config(documents_cache.path, tmp_path, steps=2, autocast_bf16=True))
     assert row["step"] == 2 and row["loss"] == row["loss"]
+
+
+def test_bf16_head_runs_the_loss_gemms_in_bf16_and_updates_fp32_masters(built_cache, tmp_path, monkeypatch):
+    """head_dtype=bf16 (what --autocast-bf16 sets): the loss sees bf16 hidden and weight, the fp32 master weights
+    get fp32 gradients, and the loss is the fp32 loss to bf16 accuracy."""
+    import topkd.train.student as student_module
+
+    cache = TopKCache(built_cache)
+    cfg = config(built_cache, tmp_path)
+    torch.manual_seed(0)
+    model = load_student(cfg, cache).model
+    batch = SampleStream(cache, 30, seed=0).batch(0, 2)
+    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    seen, real = [], student_module.fused_linear_kd
+    monkeypatch.setattr(student_module, "fused_linear_kd", lambda h, w, *a, **k: seen.append((h.dtype, w.dtype))
+                        or real(h, w, *a, **k))
+    full = KDStudent(model, cache.vocab_size, opts)(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = KDStudent(model, cache.vocab_size, opts, head_dtype=torch.bfloat16)(batch)
+    low.backward()
+    assert seen == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+    head = model.get_output_embeddings().weight
+    assert head.dtype == head.grad.dtype == torch.float32 and bool(head.grad.abs().sum() > 0)
+    assert abs(low.item() - full.item()) <= 2e-2 * abs(full.item())

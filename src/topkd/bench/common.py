@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import selectors
 import subprocess
+import time
 
 
 def run_json_process(cmd: list[str], timeout_s: int, env: dict) -> dict:
@@ -17,6 +19,35 @@ def run_json_process(cmd: list[str], timeout_s: int, env: dict) -> dict:
         return json.loads(lines[-1])
     killed = proc.returncode < 0 or proc.returncode == 137
     return {"status": "oom" if killed else "error", "error": proc.stderr.strip().splitlines()[-1:]}
+
+
+def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict) -> dict:
+    """Run a process that prints one JSON line per key (in order) and return {key: row}; each line must come
+    within timeout_s of the previous one. A key without its line (timeout, crash, OOM kill) gets a row saying
+    which, and the keys after it are marked skipped: one failing point never stops the others' processes."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    rows, pending = {}, list(keys)
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                break
+            line = proc.stdout.readline()
+            if not line:  # the process ended
+                break
+            if line.startswith("{"):
+                rows[pending.pop(0)] = json.loads(line)
+                deadline = time.monotonic() + timeout_s
+    if pending:
+        timed_out = proc.poll() is None
+        proc.kill()
+        err = (proc.stderr.read() or "").strip().splitlines()[-1:]
+        status = "timeout" if timed_out else "oom" if proc.wait() in (-9, 137) else "error"
+        rows[pending[0]] = {"status": status, "error": err}
+        rows.update({k: {"status": "skipped", "error": f"after {status} at {pending[0]}"} for k in pending[1:]})
+    proc.wait()
+    return rows
 
 
 def plot_vs_length(series: dict[str, tuple[list, list, list]], oom: dict[str, list[int]], ylabels: tuple[str, str],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -27,7 +28,8 @@ from topkd.loss.fused import chunk_rows
 from topkd.memory import status_kib
 
 KD_IMPLS = ("fused", "chunked", "dense")
-GPU_IMPLS = ("triton",)  # fused with Triton kernels: CUDA only, so never in a CPU sweep's defaults
+GPU_IMPLS = ("triton", "fused:torch")  # Triton kernels (CUDA), and fused forced to its torch kernels where it
+# would pick Triton: never in a CPU sweep's defaults
 PEERS = ("liger_jsd", "torch_lce")
 
 
@@ -68,17 +70,20 @@ def teacher_rows(n: int, vocab: int, k: int, device, seed: int = 0):
 
 
 def make_inputs(impl: str, n: int, vocab: int, hidden: int, k: int, dtype, device) -> dict:
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(n, hidden, generator=g).to(device, dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(device, dtype).requires_grad_()
+    """Inputs drawn on the device itself (a CPU draw of 256K x 2,880 normals takes ~10 s per process)."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(1)
+    draw = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)  # noqa: E731
+    x = draw(n, hidden).requires_grad_()
+    w = draw(vocab, hidden, scale=hidden**-0.5).requires_grad_()
     inputs = {"x": x, "w": w}
-    if impl in KD_IMPLS + GPU_IMPLS:
+    if impl.split(":")[0] in KD_IMPLS + GPU_IMPLS:
         inputs["ids"], inputs["logprobs"] = teacher_rows(n, vocab, k, device)
     elif impl == "liger_jsd":
-        inputs["xt"] = torch.randn(n, hidden, generator=g).to(device, dtype)
-        inputs["wt"] = (torch.randn(vocab, hidden, generator=g) / hidden**0.5 * 3).to(device, dtype)
+        inputs["xt"] = draw(n, hidden)
+        inputs["wt"] = draw(vocab, hidden, scale=3 * hidden**-0.5)
     if impl in PEERS:
-        inputs["labels"] = torch.randint(0, vocab, (n,), generator=g).to(device)
+        inputs["labels"] = torch.randint(0, vocab, (n,), generator=g, device=device)
     return inputs
 
 
@@ -93,8 +98,9 @@ def floor_bytes(inputs: dict) -> int:
 def step_fn(impl: str, inputs: dict):
     """A closure running one forward+backward."""
     x, w = inputs["x"], inputs["w"]
-    if impl in KD_IMPLS + GPU_IMPLS:
-        return lambda: topkd.fused_linear_kd(x, w, inputs["ids"], inputs["logprobs"], impl=impl).backward()
+    if impl.split(":")[0] in KD_IMPLS + GPU_IMPLS:  # "fused:torch": main() set TOPKD_FUSED_KERNELS=torch
+        return lambda: topkd.fused_linear_kd(x, w, inputs["ids"], inputs["logprobs"],
+                                             impl=impl.split(":")[0]).backward()
     if impl == "liger_jsd":
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
         peer = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False)
@@ -155,7 +161,7 @@ def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str,
     inputs["x"].grad = inputs["w"].grad = None
     if phase == "memory":
         return row
-    chunk = chunk_rows(vocab, dtype, LossSpec(), False)
+    chunk = chunk_rows(vocab, dtype, LossSpec(), False, device.type)
     floor = three_gemm_step(inputs["x"], inputs["w"], chunk)
     pairs = [(timed(floor, device), timed(lambda: _fresh_grads(step, inputs), device)) for _ in range(repeats)]
     row["floor_time_s"] = statistics.median(p[0] for p in pairs)  # interleaved: both see the same drift
@@ -172,7 +178,9 @@ def _fresh_grads(step, inputs) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--impl", required=True, choices=KD_IMPLS + GPU_IMPLS + PEERS)
-    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--tokens", type=int, help="one point")
+    p.add_argument("--lengths", default="", help="comma-separated: several points in this process, one JSON "
+                   "line each, shortest first (GPU sweeps); after an OOM the longer ones are not run")
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--k", type=int, default=100)
@@ -185,18 +193,31 @@ def main(argv=None) -> None:
     if a.mem_limit_gib > 0 and a.device == "cpu":
         cap = int(a.mem_limit_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    if ":" in a.impl:
+        os.environ["TOPKD_FUSED_KERNELS"] = a.impl.partition(":")[2]
+    for n in [int(v) for v in a.lengths.split(",") if v] or [a.tokens]:
+        row = one_point(a, n)
+        print(json.dumps(row), flush=True)
+        if row["status"] == "oom":
+            break
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def one_point(a, n: int) -> dict:
+    """measure() as a result row: a missing peer is "unavailable", an allocation failure "oom"."""
     try:
-        row = measure(a.impl, a.tokens, a.vocab, a.hidden, a.k, a.dtype, a.device, a.repeats, a.phase)
+        row = measure(a.impl, n, a.vocab, a.hidden, a.k, a.dtype, a.device, a.repeats, a.phase)
         row["status"] = "ok"
     except ImportError as e:  # a peer that is not installed
-        row = {"impl": a.impl, "tokens": a.tokens, "status": "unavailable", "error": str(e)[:200]}
+        row = {"impl": a.impl, "tokens": n, "status": "unavailable", "error": str(e)[:200]}
     except (torch.OutOfMemoryError, MemoryError) as e:
-        row = {"impl": a.impl, "tokens": a.tokens, "status": "oom", "error": str(e).splitlines()[0][:200]}
+        row = {"impl": a.impl, "tokens": n, "status": "oom", "error": str(e).splitlines()[0][:200]}
     except RuntimeError as e:
         if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
             raise
-        row = {"impl": a.impl, "tokens": a.tokens, "status": "oom", "error": str(e).splitlines()[0][:200]}
-    print(json.dumps(row), flush=True)
+        row = {"impl": a.impl, "tokens": n, "status": "oom", "error": str(e).splitlines()[0][:200]}
+    return row
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python -m topkd.bench.train_point --phase memory --impls dense --tokens 16384
     python -m topkd.bench.train_point --phase time --impls fused,chunked --tokens 16384 --repeats 2
     python -m topkd.bench.train_point --phase loading --tokens 2048 --batch 4
+    python -m topkd.bench.train_point --phase device --device cuda --shape llama-1b --layers 0 --tokens 8192
 
 The student has --shape smollm2 (SmolLM2-135M: H=576, 9 query / 3 KV heads, MLP 1536, V=49,152)
 or gemma3-270m (Gemma-3-270M: H=640, 4 query / 1 KV head of 256, MLP 2048, V=262,144, 5 local
@@ -12,6 +13,8 @@ AdamW). Teacher rows are synthetic top-100 rows. A 64-token step runs first (thr
 optimizer state), then:
   memory:  one step; peak RSS of the process, and its rise above the RSS before the step
   time:    --repeats rounds of one step per impl, interleaved so all see the same machine
+  device:  on a GPU (benchmarks/gpu.sh), per impl a bf16 mixed-precision step's allocator peak, median time
+           and model TFLOP/s (model_flops), one JSON line per impl
   loading: a rice-zstd cache of the same rows is written to a temp dir; after one untimed full-size
            step, rounds of (a step whose batch is decoded from the cache in the training process, a
            step on a batch held in memory), alternating which runs first
@@ -43,8 +46,14 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_at
 GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_attention_heads=4,
                    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
                    tie_word_embeddings=True, final_logit_softcapping=None, rms_norm_eps=1e-6)
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                num_key_value_heads=8, num_hidden_layers=16, tie_word_embeddings=True, rope_theta=500000.0,
+                rms_norm_eps=1e-5)  # Llama-3.2-1B
+LLAMA_3B = dict(LLAMA_1B, hidden_size=3072, num_attention_heads=24, num_hidden_layers=28)  # Llama-3.2-3B
 SHAPES = {"smollm2": ("LlamaConfig", "LlamaForCausalLM", SMOLLM2),
-          "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_270M)}
+          "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_270M),
+          "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B),
+          "llama-3b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_3B)}
 K = 100
 
 
@@ -60,22 +69,38 @@ class HeldBatch:
         return self.held
 
 
-def make_student(shape: str, layers: int, max_len: int, impl: str) -> tuple[KDStudent, torch.optim.Optimizer]:
+def make_student(shape: str, layers: int, max_len: int, impl: str, device: str = "cpu",
+                 head_dtype: torch.dtype = torch.float32) -> tuple[KDStudent, torch.optim.Optimizer]:
+    """A randomly initialised student of this shape (layers=0: the shape's own depth), built on the device."""
     import transformers
 
     config_name, model_name, dims = SHAPES[shape]
     torch.manual_seed(0)
-    config = getattr(transformers, config_name)(num_hidden_layers=layers, max_position_embeddings=max_len, **dims)
-    model = getattr(transformers, model_name)(config)
+    dims = {**dims, "num_hidden_layers": layers or dims.get("num_hidden_layers", 2)}
+    config = getattr(transformers, config_name)(max_position_embeddings=max_len, **dims)
+    with torch.device(device):
+        model = getattr(transformers, model_name)(config)
     model.config.use_cache = False
     options = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl=impl)
-    module = KDStudent(model.train(), dims["vocab_size"], options)
+    module = KDStudent(model.train(), dims["vocab_size"], options, head_dtype=head_dtype)
     return module, torch.optim.AdamW(module.parameters(), lr=1e-4)
 
 
-def synthetic_batch(vocab: int, rows: int, size: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """`size` samples of `rows` tokens, one document each, with synthetic teacher top-K rows."""
-    ids, logprobs = teacher_rows(rows * size, vocab, K, "cpu", seed)
+def model_flops(module: KDStudent, tokens: int) -> float:
+    """FLOPs of one training step as MFU counts them: 6 x (parameters a token multiplies: every parameter, less
+    an untied input embedding, which is a lookup) x tokens, plus causal attention, 6 x layers x tokens^2 x H."""
+    model = module.model
+    params = sum(p.numel() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if embed.data_ptr() != head.data_ptr():
+        params -= embed.numel()
+    return 6 * params * tokens + 6 * model.config.num_hidden_layers * tokens**2 * model.config.hidden_size
+
+
+def synthetic_batch(vocab: int, rows: int, size: int, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """`size` samples of `rows` tokens, one document each, with synthetic teacher top-K rows (drawn on device)."""
+    ids, logprobs = teacher_rows(rows * size, vocab, K, device, seed)
+    ids, logprobs = ids.cpu(), logprobs.cpu()
     tokens = torch.randint(0, vocab, (size, rows), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": tokens, "position_ids": torch.arange(rows).expand(size, rows).contiguous(),
             "teacher_ids": ids.view(size, rows, K), "teacher_logprobs": logprobs.view(size, rows, K),
@@ -83,8 +108,8 @@ def synthetic_batch(vocab: int, rows: int, size: int, seed: int = 0) -> dict[str
             "labels": torch.full((size, rows), -100)}
 
 
-def step(module, optimizer, stream, size: int, index: int = 0) -> float:
-    cfg = TrainConfig(batch_size=size, grad_accum=1, steps=10**6, warmup_steps=0)
+def step(module, optimizer, stream, size: int, index: int = 0, bf16: bool = False) -> float:
+    cfg = TrainConfig(batch_size=size, grad_accum=1, steps=10**6, warmup_steps=0, autocast_bf16=bf16)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     state = {"step": 0, "samples": index * size}
     return train_step(module, stream, optimizer, scheduler, cfg, state)["seconds"]
@@ -116,6 +141,32 @@ def measure_time(shape: str, impls: list[str], tokens: int, layers: int, repeats
             module.loss_options["impl"] = impl
             times[impl].append(step(module, optimizer, batch, 1))
     return {"times_s": times, "median_s": {impl: statistics.median(t) for impl, t in times.items()}}
+
+
+def measure_device(shape: str, impls: list[str], tokens: int, layers: int, repeats: int, device: str):
+    """Per impl, one JSON line: a bf16 mixed-precision step's peak memory (allocator, reset per step), median
+    time and model TFLOP/s. An impl that runs out of memory is a line too; the next impl still runs."""
+    module, optimizer = make_student(shape, layers, tokens, impls[0], device, torch.bfloat16)
+    vocab = module.teacher_vocab
+    batch = HeldBatch({k: v.to(device) for k, v in synthetic_batch(vocab, tokens, 1, device=device).items()})
+    flops = model_flops(module, tokens)
+    for impl in impls:
+        module.loss_options["impl"] = impl
+        row = {"impl": impl, "tokens": tokens, "flops": flops}
+        try:
+            step(module, optimizer, batch, 1, bf16=True)  # warm: kernels, optimizer state
+            memory = PeakMemory(torch.device(device))
+            memory.reset()
+            step(module, optimizer, batch, 1, bf16=True)
+            times = [step(module, optimizer, batch, 1, bf16=True) for _ in range(repeats)]
+            row.update(status="ok", peak_bytes=memory.peak() + memory.base, step_s=statistics.median(times),
+                       tflops=flops / statistics.median(times) / 1e12)
+        except torch.OutOfMemoryError as e:
+            row.update(status="oom", error=str(e).splitlines()[0][:200])
+        optimizer.zero_grad(set_to_none=True)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
 
 
 def measure_loading(shape: str, tokens: int, size: int, layers: int, repeats: int) -> dict:
@@ -172,7 +223,8 @@ def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", required=True, choices=["memory", "time", "loading"])
+    p.add_argument("--phase", required=True, choices=["memory", "time", "loading", "device"])
+    p.add_argument("--device", default="cpu", help="device phase: cuda (or cpu for a smoke run)")
     p.add_argument("--impls", default="fused", help="comma-separated: fused, chunked, dense")
     p.add_argument("--tokens", type=int, required=True, help="tokens per sample")
     p.add_argument("--batch", type=int, default=1, help="samples per step (loading phase)")
@@ -185,6 +237,9 @@ def main(argv=None) -> None:
         cap = int(a.mem_limit_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     impls = a.impls.split(",")
+    if a.phase == "device":  # one line per impl, printed as each finishes
+        measure_device(a.shape, impls, a.tokens, a.layers, a.repeats, a.device)
+        return
     row = {"phase": a.phase, "shape": a.shape, "impls": impls, "tokens": a.tokens, "layers": a.layers,
            "batch": a.batch}
     try:

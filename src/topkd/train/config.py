@@ -82,7 +82,9 @@ TRAIN_HELP = {
     "objective": "kd (distil from the teacher rows, + ce_weight x CE) | ce (hard-label CE only on the same tokens: "
                  "the no-teacher baseline)",
     "impl": "loss implementation: fused | triton (fused with Triton kernels; CUDA) | chunked | dense (comparisons)",
-    "autocast_bf16": "run the student body under bf16 autocast",
+    "autocast_bf16": "bf16 mixed precision: the body under bf16 autocast (under torchrun, FSDP2 gathers bf16 "
+                     "parameters and reduces fp32 gradients), the loss's head GEMMs in bf16 with fp32 "
+                     "accumulation; master weights and optimizer state stay fp32",
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
     "loader_workers": "processes decoding the cache ahead of training (0: decode in the training process; "
                       "online mode always computes teacher rows in the training process)",

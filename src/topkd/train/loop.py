@@ -54,8 +54,10 @@ def train(cfg: TrainConfig) -> dict:
     options = dict(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
                    ce_weight=cfg.ce_weight, impl=cfg.impl)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
-                       cfg.objective, cfg.top_k)
-    shard_student(module)
+                       cfg.objective, cfg.top_k, torch.bfloat16 if cfg.autocast_bf16 else torch.float32)
+    shard_student(module, bf16=cfg.autocast_bf16)
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 GEMM left (a fp32 run's body) on tensor cores
     optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = {"step": 0, "samples": 0}
@@ -203,6 +205,8 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
     world, rank, size = dist.world(), dist.rank(), cfg.batch_size
     torch.manual_seed(cfg.seed * 1_000_003 + state["step"] * world + rank)  # dropout etc.: resume needs no RNG state
     device = next(module.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # peak_gib is this step's
     micro = [_to(b, device) for b in (micro or step_batches(stream, cfg, state["samples"]))]
     tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
@@ -228,6 +232,8 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
     epoch = state["samples"] // stream.per_epoch
     state["step"] += 1
     state["samples"] += size * cfg.grad_accum * world
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the optimizer step's kernels are part of the step's time
     seconds = time.perf_counter() - start
     return {"step": state["step"], "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,

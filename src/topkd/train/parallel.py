@@ -16,14 +16,18 @@ from torch import nn
 from topkd import dist
 
 
-def shard_student(module: nn.Module) -> nn.Module:
+def shard_student(module: nn.Module, bf16: bool = False) -> nn.Module:
+    """bf16: FSDP2 mixed precision, parameters gathered in bf16 for compute, gradients reduced in fp32 into the
+    fp32 shards the optimizer keeps."""
     if not dist.active():
         return module
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
     for block in module.model.get_decoder().layers:
-        fully_shard(block)
-    fully_shard(module)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)

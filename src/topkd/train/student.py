@@ -73,7 +73,7 @@ class KDStudent(nn.Module):
     no-teacher baseline); top_k > 0 distils from the first top_k columns of the (rank-ordered) rows."""
 
     def __init__(self, model: nn.Module, teacher_vocab: int, loss_options: dict, activation_checkpointing=False,
-                 objective: str = "kd", top_k: int = 0):
+                 objective: str = "kd", top_k: int = 0, head_dtype: torch.dtype = torch.float32):
         super().__init__()
         softcap = getattr(model.config, "final_logit_softcapping", None)
         if softcap:
@@ -82,6 +82,7 @@ class KDStudent(nn.Module):
                              "distribution than the model's; set model.config.final_logit_softcapping = None")
         self.model, self.teacher_vocab, self.loss_options = model, teacher_vocab, loss_options
         self.objective, self.top_k = objective, top_k or None
+        self.head_dtype = head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -89,15 +90,16 @@ class KDStudent(nn.Module):
         hidden = self.model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                           use_cache=False).last_hidden_state
         head = self.model.get_output_embeddings()
-        weight = head.weight[: self.teacher_vocab]  # padded student rows: no mass, no gradient
-        bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab]
+        low = self.head_dtype  # the casts' backward returns dW to the fp32 master weights
+        weight = head.weight[: self.teacher_vocab].to(low)  # padded student rows: no mass, no gradient
+        bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab].to(low)
         opts = self.loss_options
         if self.objective == "ce":  # torch's fused linear + cross entropy
             return torch.nn.functional.linear_cross_entropy(
-                hidden.float().reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1), linear_bias=bias,
+                hidden.to(low).reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1), linear_bias=bias,
                 reduction="sum", ignore_index=-100)
         logz = batch["teacher_logz"] if opts["temperature"] != 1.0 and opts["tail"] == "bucket" else None
         labels = batch["labels"] if opts["ce_weight"] else None
-        return fused_linear_kd(hidden.float(), weight, batch["teacher_ids"][..., : self.top_k],
+        return fused_linear_kd(hidden.to(low), weight, batch["teacher_ids"][..., : self.top_k],
                                batch["teacher_logprobs"][..., : self.top_k],
                                mask=batch["mask"], teacher_logz=logz, labels=labels, bias=bias, reduction="sum", **opts)
