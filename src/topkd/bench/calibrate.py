@@ -12,12 +12,14 @@ same point in its own fresh process. PASS when predicted / measured is within 1 
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 
 import torch
 
+import topkd
 from topkd.bench.common import run_json_process
 from topkd.bench.model import DeviceProfile, predict, timed_median, trace_impl
 
@@ -90,6 +92,8 @@ def calibrate(lengths: list[int], impls: list[str], vocab: int, hidden: int, k: 
     """Predicted vs measured per (impl, length); measure_point(impl, tokens) -> a bench loss row."""
     traces = {(impl, n): trace_impl(impl, n, vocab, hidden, k, torch.float32, "cpu")[0]
               for n in lengths for impl in impls}
+    topkd.loss.release_workspace()  # the traced runs' chunk buffer must not sit beside the measured points
+    gc.collect()
     shapes = sorted({op.shape for ops in traces.values() for op in ops if op.kind == "gemm"})
     profile = DeviceProfile(**profile_process(shapes))
     rows = []

@@ -269,7 +269,9 @@ def _calibration(cfg: ModelBenchConfig) -> dict:
     from topkd.bench.calibrate import calibrate, calibration_table, plot_calibration
     from topkd.bench.loss import LossBenchConfig, run_point
 
-    bench = LossBenchConfig(vocab=cfg.vocab, hidden=cfg.hidden, k=cfg.k, dtype=cfg.dtype, no_huge_pages=True)
+    # five timed runs per point (median): on 2 shared cores one run of a GiB-sized baseline can be 30% off
+    bench = LossBenchConfig(vocab=cfg.vocab, hidden=cfg.hidden, k=cfg.k, dtype=cfg.dtype, no_huge_pages=True,
+                            repeats=5)
     summary = calibrate(cfg.lengths, cfg.impls, cfg.vocab, cfg.hidden, cfg.k,
                         lambda impl, n: run_point(bench, impl, n))
     summary["config"] = vars(cfg)
