@@ -52,12 +52,18 @@ def all_max(value: float) -> float:
     return _reduce(value, dist.ReduceOp.MAX)
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a group's collectives take their tensors: this process's GPU under NCCL (the one init() set from
+    LOCAL_RANK, never cuda:0 on every rank), the CPU under gloo."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _reduce(value: float, op) -> float:
     if not active():
         return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+    t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=op)
     return float(t.item())
 

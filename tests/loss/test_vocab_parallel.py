@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import topkd
 from tests.loss.oracle import make_problem
 from tests.loss.test_agreement import assert_all_close, run, topkd_fn
+from topkd.loss import VocabParallel
 
 SPLIT = 51
 CASES = {  # name: (make_problem overrides, loss options)
@@ -49,15 +50,15 @@ def worker(rank: int, init_file: str, out: str) -> None:
         shard = dict(pb, w=pb["w"][start:end].contiguous(), b=pb["b"][start:end].contiguous())
 
         def fn(x, w, b, *, ids, logprobs, **kw):
-            return topkd.loss.vocab_parallel.vocab_parallel_linear_kd(
-                x, w, ids, logprobs, bias_shard=b, vocab_start=start, vocab_size=101, chunk_size=8, **kw)
+            return topkd.fused_linear_kd(x, w, ids, logprobs, bias=b, vocab_parallel=VocabParallel(start, 101),
+                                         chunk_size=8, **kw)
 
         results[name] = run(fn, shard, opts.get("reduction", "mean"), ids=pb["ids"], logprobs=pb["logprobs"],
                             **loss_kwargs(pb, opts))
     pb = make_problem()
     try:  # rank 1 claims rows that overlap rank 0's: refused on every process, never a hang
-        topkd.loss.vocab_parallel.vocab_parallel_linear_kd(
-            pb["x"], pb["w"][start:end], pb["ids"], pb["logprobs"], vocab_start=start - rank, vocab_size=101)
+        topkd.fused_linear_kd(pb["x"], pb["w"][start:end], pb["ids"], pb["logprobs"],
+                              vocab_parallel=VocabParallel(start - rank, 101))
     except ValueError as e:
         results["tiling_error"] = str(e)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
@@ -95,5 +96,7 @@ def test_overlapping_shards_are_refused_on_every_process(parallel_results):
 def test_without_a_process_group_the_error_says_so():
     pb = make_problem()
     with pytest.raises(ValueError, match="expected an initialised torch.distributed process group"):
-        topkd.loss.vocab_parallel.vocab_parallel_linear_kd(pb["x"], pb["w"], pb["ids"], pb["logprobs"],
-                                                           vocab_start=0, vocab_size=101)
+        topkd.fused_linear_kd(pb["x"], pb["w"], pb["ids"], pb["logprobs"], vocab_parallel=VocabParallel(0, 101))
+    with pytest.raises(ValueError, match="vocab_parallel: expected impl='fused'"):
+        topkd.fused_linear_kd(pb["x"], pb["w"], pb["ids"], pb["logprobs"], vocab_parallel=VocabParallel(0, 101),
+                              impl="chunked")

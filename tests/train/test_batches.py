@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from topkd.cache import TopKCache
+from topkd.loss.options import LossOptions
 from topkd.train.batches import SampleStream, logz_column
 
 
@@ -44,9 +45,10 @@ def test_short_last_sample_is_padded_and_masked(built_cache):
 
 def test_tempered_bucket_needs_the_stored_normaliser(built_cache):
     cache = TopKCache(built_cache)
-    assert logz_column(cache, 2.0, "bucket") == 0 and logz_column(cache, 3.0, "renorm") is None
+    assert logz_column(cache, LossOptions(temperature=2.0)) == 0
+    assert logz_column(cache, LossOptions(temperature=3.0, tail="renorm")) is None
     with pytest.raises(ValueError, match="rebuild the cache with --temperatures 3"):
-        logz_column(cache, 3.0, "bucket")
+        logz_column(cache, LossOptions(temperature=3.0))
 
 
 def test_document_starts_come_from_the_headers_as_decoding_finds_them(documents_cache):

@@ -23,6 +23,7 @@ An allocation failure is a result ("oom"): the address space is capped with RLIM
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -138,7 +139,7 @@ def measure_time(shape: str, impls: list[str], tokens: int, layers: int, repeats
     times = {impl: [] for impl in impls}
     for _ in range(repeats):
         for impl in impls:
-            module.loss_options["impl"] = impl
+            module.options = dataclasses.replace(module.options, impl=impl)
             times[impl].append(step(module, optimizer, batch, 1))
     return {"times_s": times, "median_s": {impl: statistics.median(t) for impl, t in times.items()}}
 
@@ -151,7 +152,7 @@ def measure_device(shape: str, impls: list[str], tokens: int, layers: int, repea
     batch = HeldBatch({k: v.to(device) for k, v in synthetic_batch(vocab, tokens, 1, device=device).items()})
     flops = model_flops(module, tokens)
     for impl in impls:
-        module.loss_options["impl"] = impl
+        module.options = dataclasses.replace(module.options, impl=impl)
         row = {"impl": impl, "tokens": tokens, "flops": flops}
         try:
             step(module, optimizer, batch, 1, bf16=True)  # warm: kernels, optimizer state

@@ -2,6 +2,8 @@
 from topkd.loss.api import KDLoss, fused_linear_kd
 from topkd.loss.divergences import DIVERGENCES, Buckets
 from topkd.loss.fused import release_workspace
-from topkd.loss.vocab_parallel import vocab_parallel_linear_kd
+from topkd.loss.options import LossOptions
+from topkd.loss.vocab_parallel import VocabParallel
 
-__all__ = ["fused_linear_kd", "KDLoss", "vocab_parallel_linear_kd", "DIVERGENCES", "Buckets", "release_workspace"]
+__all__ = ["fused_linear_kd", "KDLoss", "LossOptions", "VocabParallel", "DIVERGENCES", "Buckets",
+           "release_workspace"]

@@ -18,6 +18,8 @@ from topkd.loss import validate
 from topkd.loss.baselines import chunked_linear_kd, dense_linear_kd
 from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows
 from topkd.loss.fused import FusedLinearKD, chunk_rows
+from topkd.loss.options import LossOptions
+from topkd.loss.vocab_parallel import VocabParallel, shard_for
 
 
 def fused_linear_kd(
@@ -38,6 +40,7 @@ def fused_linear_kd(
     impl: str = "fused",
     chunk_size: int | None = None,
     bias: Tensor | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> Tensor:
     """Top-K knowledge-distillation loss of the student projection `hidden @ weight.T (+ bias)`.
 
@@ -45,37 +48,54 @@ def fused_linear_kd(
     plus CE averaged over counted tokens with a label != -100; "sum": sums; "none": per
     token, shaped like hidden[..., 0], zero where masked. Masked tokens cost no FLOPs; an
     all-masked batch gives 0 with zero gradients. The loss is fp32 for low-precision inputs.
-    impl: "fused" (default, never forms [N, V]), "chunked" or "dense" (baselines), "triton" (fused, with
-    the full-width per-chunk passes as Triton kernels; CUDA).
+    impl: "fused" (default, never forms [N, V]; Triton passes on a GPU where they apply), "chunked" or
+    "dense" (baselines), "triton" (fused, Triton passes required; CUDA).
     chunk_size: rows per chunk; default from the device's budget for the chunk's buffers (CPU 256 MiB, GPU 1 GiB).
+    vocab_parallel: weight holds only rows [start, start + rows) of the vocabulary, split across a process
+    group (topkd.loss.vocab_parallel); impl="fused" only.
     Under torch.autocast the loss still computes in its inputs' dtypes: it picks its own precision.
     """
+    options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size)
+    return kd_loss(hidden, weight, teacher_ids, teacher_logprobs, options, mask=mask, teacher_logz=teacher_logz,
+                   labels=labels, bias=bias, vocab_parallel=vocab_parallel)
+
+
+def kd_loss(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, options: LossOptions, *,
+            mask: Tensor | None = None, teacher_logz: Tensor | None = None, labels: Tensor | None = None,
+            bias: Tensor | None = None, vocab_parallel: VocabParallel | None = None) -> Tensor:
+    """fused_linear_kd with its options already gathered in a (validated) LossOptions; the impl is chosen here."""
     device_type = hidden.device.type if isinstance(hidden, Tensor) else "meta"  # not a tensor: refused inside
     no_autocast = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
         else contextlib.nullcontext()  # meta (cost-model traces) has no autocast
     with no_autocast:  # autocast's bf16 GEMMs would mix dtypes in dX/dW
-        return _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teacher_logz, divergence, tail,
-                                temperature, beta, labels, ce_weight, reduction, impl, chunk_size, bias)
+        return _dispatch(hidden, weight, teacher_ids, teacher_logprobs, options, mask, teacher_logz, labels, bias,
+                         vocab_parallel)
 
 
-def _fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask, teacher_logz, divergence, tail,
-                     temperature, beta, labels, ce_weight, reduction, impl, chunk_size, bias) -> Tensor:
-    validate.check_names(divergence, tail, impl, reduction)
+def _dispatch(hidden, weight, teacher_ids, teacher_logprobs, options: LossOptions, mask, teacher_logz, labels, bias,
+              vocab_parallel) -> Tensor:
+    impl = options.impl
     if impl == "triton":
-        validate.check_triton(hidden.dtype, ce_weight, float(temperature))
-    x, row_index, rows, spec, chunk = prepare(
-        hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels,
-        dict(divergence=divergence, tail=tail, temperature=temperature, beta=beta, ce_weight=ce_weight),
-        chunk_size, weight.shape[0])
+        validate.check_triton(hidden.dtype, options.ce_weight, float(options.temperature))
+    if vocab_parallel is not None and impl != "fused":
+        raise ValueError(f"vocab_parallel: expected impl='fused' (the driver that shards the vocabulary), got "
+                         f"impl={impl!r}")
+    vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel.vocab_size
+    x, row_index, rows, spec, chunk = prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz,
+                                              labels, options, vocab)
     if impl in ("fused", "triton"):
-        return run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, hidden.shape[:-1],
-                         kernels=kernels_for(impl, hidden, spec))
+        shard = None if vocab_parallel is None else shard_for(vocab_parallel, weight, len(rows), chunk)
+        kernels = TORCH_KERNELS if shard is not None else kernels_for(impl, hidden, spec)
+        return run_fused(x, weight, bias, row_index, rows, spec, options.reduction, chunk, hidden.shape[:-1], shard,
+                         kernels)
     counted = x if row_index is None else x.index_select(0, row_index)
     if impl == "chunked":
-        loss = chunked_linear_kd(counted, weight, bias, rows, spec, reduction, chunk)
+        loss = chunked_linear_kd(counted, weight, bias, rows, spec, options.reduction, chunk)
     else:
-        loss = dense_linear_kd(counted, weight, bias, rows, spec, reduction)
-    return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(hidden.shape[:-1])
+        loss = dense_linear_kd(counted, weight, bias, rows, spec, options.reduction)
+    if options.reduction != "none":
+        return loss
+    return scatter_tokens(loss, row_index, x.shape[0]).reshape(hidden.shape[:-1])
 
 
 KERNELS_ENV = "TOPKD_FUSED_KERNELS"  # auto | torch | triton: what impl="fused" runs (torch: bisect a kernel bug)
@@ -117,29 +137,25 @@ def run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, lead, sh
     return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(lead)
 
 
-def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options: dict,
-            chunk_size: int | None, vocab: int):
+def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options: LossOptions,
+            vocab: int):
     """Validate, then (2-D hidden, row_index of counted tokens or None, their TeacherRows, LossSpec, chunk rows).
     vocab is the full vocabulary; weight may hold only some of its rows (vocab-parallel)."""
-    o = options
-    validate.check_numbers(o["temperature"], o["beta"], o["ce_weight"], o["divergence"], chunk_size)
     validate.check_shapes(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, vocab)
-    validate.check_temperature_tail(o["tail"], float(o["temperature"]), teacher_logz is not None)
-    if o["ce_weight"] > 0 and labels is None:
-        raise ValueError(f"ce_weight={o['ce_weight']} needs labels (next-token ids, -100 ignored), got None; "
-                         "pass labels or set ce_weight=0")
+    options.check_inputs(teacher_logz is not None, labels is not None)
     k = teacher_ids.shape[-1]
     x = hidden.reshape(-1, hidden.shape[-1])
     row_index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
     if row_index is not None and row_index.numel() == x.shape[0]:
         row_index = None  # nothing masked: contiguous slices, no gathers
-    rows = _counted_rows(teacher_ids, teacher_logprobs, teacher_logz, labels if o["ce_weight"] > 0 else None,
+    rows = _counted_rows(teacher_ids, teacher_logprobs, teacher_logz, labels if options.needs_labels else None,
                          row_index, k)
-    validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, o["tail"], float(o["temperature"]))
-    spec = LossSpec(o["divergence"], o["tail"], float(o["temperature"]), float(o["beta"]), float(o["ce_weight"]),
-                    full_support=(k == vocab))
-    chunk = chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
-                                     hidden.device.type)
+    validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, options.tail,
+                          float(options.temperature))
+    spec = LossSpec(options.divergence, options.tail, float(options.temperature), float(options.beta),
+                    float(options.ce_weight), full_support=(k == vocab))
+    chunk = options.chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
+                                             hidden.device.type)
     return x, row_index, rows, spec, chunk
 
 
@@ -159,22 +175,19 @@ def scatter_tokens(per_token: Tensor, row_index: Tensor | None, n_all: int) -> T
 
 
 class KDLoss(nn.Module):
-    """nn.Module over fused_linear_kd; options fixed at construction, tensors per call."""
+    """nn.Module over fused_linear_kd; options fixed (and validated) at construction, tensors per call."""
 
     def __init__(self, *, divergence: str = "kl", tail: str = "bucket", temperature: float = 1.0,
                  beta: float = 0.5, ce_weight: float = 0.0, reduction: str = "mean", impl: str = "fused",
                  chunk_size: int | None = None) -> None:
         super().__init__()
-        validate.check_names(divergence, tail, impl, reduction)
-        validate.check_numbers(temperature, beta, ce_weight, divergence, chunk_size)
-        self.options = dict(divergence=divergence, tail=tail, temperature=temperature, beta=beta,
-                            ce_weight=ce_weight, reduction=reduction, impl=impl, chunk_size=chunk_size)
+        self.options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size)
 
     def forward(self, hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
                 mask: Tensor | None = None, teacher_logz: Tensor | None = None, labels: Tensor | None = None,
-                bias: Tensor | None = None) -> Tensor:
-        return fused_linear_kd(hidden, weight, teacher_ids, teacher_logprobs, mask=mask, teacher_logz=teacher_logz,
-                               labels=labels, bias=bias, **self.options)
+                bias: Tensor | None = None, vocab_parallel: VocabParallel | None = None) -> Tensor:
+        return kd_loss(hidden, weight, teacher_ids, teacher_logprobs, self.options, mask=mask,
+                       teacher_logz=teacher_logz, labels=labels, bias=bias, vocab_parallel=vocab_parallel)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.kwargs().items())

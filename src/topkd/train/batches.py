@@ -18,6 +18,7 @@ import torch
 
 from topkd.cache import TopKCache
 from topkd.cache.data import position_ids
+from topkd.loss.options import LossOptions
 
 PACKINGS = ("documents", "cross", "none")
 
@@ -142,11 +143,11 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["mask"].sum())
 
 
-def logz_column(source: TopKCache, temperature: float, tail: str) -> int | None:
-    """The source's column holding c_T for this temperature; None when not needed. Refuses a missing one."""
-    if temperature == 1.0 or tail == "renorm":
+def logz_column(source: TopKCache, options: LossOptions) -> int | None:
+    """The source's column holding c_T for the loss's temperature; None when not needed. Refuses a missing one."""
+    if not options.needs_logz:
         return None
-    temps = [float(t) for t in source.temperatures]
+    temperature, temps = options.temperature, [float(t) for t in source.temperatures]
     if temperature not in temps:
         raise ValueError(f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
                          f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "

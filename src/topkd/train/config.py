@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from topkd import dist
 from topkd.checks import require_device, require_ints, require_path
 from topkd.files import write_json_atomic
-from topkd.loss.validate import check_names, check_numbers
+from topkd.loss.options import LossOptions
 from topkd.train.batches import PACKINGS
 
 
@@ -81,7 +81,8 @@ TRAIN_HELP = {
     "top_k": "distil from only the first N of the cache's top-K (its N most likely tokens; 0: all K)",
     "objective": "kd (distil from the teacher rows, + ce_weight x CE) | ce (hard-label CE only on the same tokens: "
                  "the no-teacher baseline)",
-    "impl": "loss implementation: fused | triton (fused with Triton kernels; CUDA) | chunked | dense (comparisons)",
+    "impl": "loss implementation: fused (Triton passes on a GPU where they apply) | triton (Triton required; CUDA) "
+            "| chunked | dense (comparisons)",
     "autocast_bf16": "bf16 mixed precision: the body under bf16 autocast (under torchrun, FSDP2 gathers bf16 "
                      "parameters and reduces fp32 gradients), the loss's head GEMMs in bf16 with fp32 "
                      "accumulation; master weights and optimizer state stay fp32",
@@ -154,8 +155,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.packing not in PACKINGS:
         raise ValueError(f"packing: expected one of {PACKINGS}, got {cfg.packing!r}")
     require_device(cfg.device)
-    check_names(cfg.divergence, cfg.tail, cfg.impl, "sum")  # the loss's own checks, before any model loads
-    check_numbers(cfg.temperature, cfg.beta, cfg.ce_weight, cfg.divergence, None)
+    loss_options(cfg)  # the loss's own checks, before any model loads
     for flag, path, kind in (("--cache", cfg.cache, "dir"), ("--teacher", cfg.teacher, "any"),
                              ("--student", cfg.student, "dir")):
         if path:
@@ -166,3 +166,9 @@ def check_config(cfg: TrainConfig) -> None:
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
         raise ValueError(f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
                          f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}")
+
+
+def loss_options(cfg: TrainConfig) -> LossOptions:
+    """The loss this run trains with (validated: the loss's own rules and messages)."""
+    return LossOptions(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
+                       ce_weight=cfg.ce_weight, reduction="sum", impl=cfg.impl)

@@ -32,7 +32,7 @@ from topkd.progress import progress
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
 from topkd.train.batches import SampleStream, count_tokens, logz_column
-from topkd.train.config import TrainConfig, check_config, check_paths, check_resume
+from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, loss_options
 from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
 from topkd.train.student import KDStudent, load_student
@@ -50,9 +50,8 @@ def train(cfg: TrainConfig) -> dict:
     check_top_k(cfg.top_k, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
-    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, cfg.temperature, cfg.tail), cfg.packing)
-    options = dict(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
-                   ce_weight=cfg.ce_weight, impl=cfg.impl)
+    options = loss_options(cfg)
+    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, options), cfg.packing)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
                        cfg.objective, cfg.top_k, torch.bfloat16 if cfg.autocast_bf16 else torch.float32)
     shard_student(module, bf16=cfg.autocast_bf16)
@@ -135,7 +134,7 @@ def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
     """Where teacher rows come from: the cache (offline) or the teacher run in memory (online)."""
     if cfg.cache:
         return TopKCache(cfg.cache)
-    temperatures = [cfg.temperature] if cfg.temperature != 1.0 and cfg.tail == "bucket" else []
+    temperatures = [cfg.temperature] if loss_options(cfg).needs_logz else []
     return OnlineTeacher(load_teacher(cfg.teacher, device=device), cfg.data, cfg.seq_len, cfg.online_k,
                          temperatures, cfg.text_field, cfg.max_sequences)
 

@@ -19,6 +19,7 @@ from torch import nn
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
 from topkd.loss import fused_linear_kd
+from topkd.loss.options import LossOptions
 
 
 @dataclass
@@ -69,18 +70,20 @@ def cut_layers(model: nn.Module, keep: int) -> nn.Module:
 class KDStudent(nn.Module):
     """Owns the student; forward(batch) returns the summed KD (+ CE) loss of the batch's counted tokens.
 
-    loss_options go to fused_linear_kd as they are; objective="ce" trains on hard labels only (the
+    options (LossOptions, or a dict of its fields) go to fused_linear_kd; objective="ce" trains on hard labels only (the
     no-teacher baseline); top_k > 0 distils from the first top_k columns of the (rank-ordered) rows."""
 
-    def __init__(self, model: nn.Module, teacher_vocab: int, loss_options: dict, activation_checkpointing=False,
-                 objective: str = "kd", top_k: int = 0, head_dtype: torch.dtype = torch.float32):
+    def __init__(self, model: nn.Module, teacher_vocab: int, options: LossOptions | dict,
+                 activation_checkpointing: bool = False, objective: str = "kd", top_k: int = 0,
+                 head_dtype: torch.dtype = torch.float32):
         super().__init__()
         softcap = getattr(model.config, "final_logit_softcapping", None)
         if softcap:
             raise ValueError(f"student: expected no final logit soft-capping, got final_logit_softcapping={softcap}; "
                              "the fused loss projects with the lm_head weight alone, so it would train another "
                              "distribution than the model's; set model.config.final_logit_softcapping = None")
-        self.model, self.teacher_vocab, self.loss_options = model, teacher_vocab, loss_options
+        self.model, self.teacher_vocab = model, teacher_vocab
+        self.options = options if isinstance(options, LossOptions) else LossOptions(**{"reduction": "sum", **options})
         self.objective, self.top_k = objective, top_k or None
         self.head_dtype = head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
         if activation_checkpointing:
@@ -93,13 +96,14 @@ class KDStudent(nn.Module):
         low = self.head_dtype  # the casts' backward returns dW to the fp32 master weights
         weight = head.weight[: self.teacher_vocab].to(low)  # padded student rows: no mass, no gradient
         bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab].to(low)
-        opts = self.loss_options
+        opts = self.options
         if self.objective == "ce":  # torch's fused linear + cross entropy
             return torch.nn.functional.linear_cross_entropy(
                 hidden.to(low).reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1), linear_bias=bias,
                 reduction="sum", ignore_index=-100)
-        logz = batch["teacher_logz"] if opts["temperature"] != 1.0 and opts["tail"] == "bucket" else None
-        labels = batch["labels"] if opts["ce_weight"] else None
+        logz = batch["teacher_logz"] if opts.needs_logz else None
+        labels = batch["labels"] if opts.needs_labels else None
         return fused_linear_kd(hidden.to(low), weight, batch["teacher_ids"][..., : self.top_k],
                                batch["teacher_logprobs"][..., : self.top_k],
-                               mask=batch["mask"], teacher_logz=logz, labels=labels, bias=bias, reduction="sum", **opts)
+                               mask=batch["mask"], teacher_logz=logz, labels=labels, bias=bias,
+                               **{**opts.kwargs(), "reduction": "sum"})
