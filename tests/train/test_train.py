@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from topkd.cache import TopKCache
+from topkd.data.samples import SampleStream
 from topkd.train import TrainConfig, train
-from topkd.train.batches import SampleStream
 from topkd.train.loop import train_step
 from topkd.train.student import KDStudent, cut_layers, load_student
 

@@ -23,9 +23,9 @@ import torch
 
 from topkd.cache import codec
 from topkd.cache.build import _teacher_sequence
-from topkd.cache.data import iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
+from topkd.data.documents import iter_documents, pack_sequences, position_ids
 from topkd.progress import track, wrote
 from topkd.stamp import stamp
 

@@ -36,8 +36,8 @@ import torch
 
 import topkd
 from topkd.bench.point import PeakMemory, teacher_rows
+from topkd.data.samples import SampleStream
 from topkd.memory import status_kib
-from topkd.train.batches import SampleStream
 from topkd.train.config import TrainConfig
 from topkd.train.loop import train_step
 from topkd.train.student import KDStudent

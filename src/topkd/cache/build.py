@@ -23,11 +23,11 @@ import torch
 
 from topkd import dist
 from topkd.cache import manifest as mf
-from topkd.cache.data import check_paths, iter_documents, pack_sequences, position_ids
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher, split_rows
 from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_device, require_dtype, require_ints
+from topkd.data.documents import check_paths, iter_documents, pack_sequences, position_ids
 from topkd.files import file_sha256
 from topkd.progress import progress
 from topkd.signals import Interrupted

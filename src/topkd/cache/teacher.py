@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from topkd.files import json_sha256
-from topkd.loss.chunk import row_blocks
+from topkd.tiles import row_blocks
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
 ALIGNMENT = "row t holds p(x_{t+1} | x_<=t)"

@@ -91,7 +91,7 @@ class VLLMTeacher:
                                           detokenize=False)
 
     def sequence_rows(self, sequences: list) -> list[dict[str, np.ndarray]]:
-        """Rows for packed sequences (topkd.cache.data.Sequence), one vLLM call for all their pieces."""
+        """Rows for packed sequences (topkd.data.documents.Sequence), one vLLM call for all their pieces."""
         pieces = [document_pieces(np.asarray(s.tokens), s.doc_starts) for s in sequences]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for ps in pieces for p in ps]
         outputs = iter(self.llm.generate(prompts, self.params, use_tqdm=False))

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from topkd.cache.data import iter_documents, pack_sequences, position_ids, whole
+from topkd.data.documents import iter_documents, pack_sequences, position_ids, whole
 from topkd.eval.heads import final_hidden, head_stats, model_head
 from topkd.progress import track
 

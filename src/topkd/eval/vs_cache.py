@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from topkd.cache import TopKCache
+from topkd.data.samples import SampleStream
 from topkd.eval.heads import final_hidden, head_stats, model_head
 from topkd.loss import fused_linear_kd
 from topkd.progress import track
-from topkd.train.batches import SampleStream
 
 
 def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0) -> dict:

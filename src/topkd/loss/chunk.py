@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from topkd.loss.divergences import DIVERGENCES, make_buckets, teacher_buckets
+from topkd.tiles import row_blocks
 
 
 @dataclass(frozen=True)
@@ -107,18 +108,6 @@ def _row_max(z: Tensor, shard: VocabShard | None) -> Tensor:
 def _row_sum(t: Tensor, shard: VocabShard | None) -> Tensor:
     s = t.sum(dim=1)
     return s if shard is None else shard.all_reduce(s, "sum")
-
-
-BLOCK_BYTES = 2**20  # elementwise passes walk the chunk in row blocks this size, so they stay in L2
-
-
-def row_blocks(z: Tensor) -> list[tuple[int, int]]:
-    """(start, end) row ranges of about BLOCK_BYTES each: elementwise passes per block stay in L2.
-    On a GPU one block: a kernel launch per row would cost more than the L2 reuse saves."""
-    if z.device.type != "cpu":
-        return [(0, z.shape[0])]
-    rows = max(1, BLOCK_BYTES // (z.shape[1] * z.element_size()))
-    return [(r, min(r + rows, z.shape[0])) for r in range(0, z.shape[0], rows)]
 
 
 def _softmax_stats(z: Tensor, ids: Tensor, temperature: float, shard: VocabShard | None = None):

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 
 from topkd import dist
 from topkd.checks import require_device, require_ints, require_path
+from topkd.data.samples import PACKINGS
 from topkd.files import write_json_atomic
 from topkd.loss.options import LossOptions
-from topkd.train.batches import PACKINGS
 
 
 @dataclass
@@ -172,3 +172,15 @@ def loss_options(cfg: TrainConfig) -> LossOptions:
     """The loss this run trains with (validated: the loss's own rules and messages)."""
     return LossOptions(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
                        ce_weight=cfg.ce_weight, reduction="sum", impl=cfg.impl)
+
+
+def logz_column(source, options: LossOptions) -> int | None:
+    """The source's column holding c_T for the loss's temperature; None when not needed. Refuses a missing one."""
+    if not options.needs_logz:
+        return None
+    temperature, temps = options.temperature, [float(t) for t in source.temperatures]
+    if temperature not in temps:
+        raise ValueError(f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
+                         f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "
+                         "--tail renorm")
+    return temps.index(temperature)

@@ -27,12 +27,12 @@ import torch
 from topkd import dist
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
+from topkd.data.samples import SampleStream, count_tokens
 from topkd.memory import process_peak_bytes
 from topkd.progress import progress
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
-from topkd.train.batches import SampleStream, count_tokens, logz_column
-from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, loss_options
+from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, logz_column, loss_options
 from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
 from topkd.train.student import KDStudent, load_student

@@ -17,9 +17,9 @@ import itertools
 import numpy as np
 import torch
 
-from topkd.cache.data import iter_documents, pack_sequences, position_ids
 from topkd.cache.reader import check_student_fits
 from topkd.cache.teacher import Teacher, tokenizer_hash
+from topkd.data.documents import iter_documents, pack_sequences, position_ids
 
 
 class OnlineTeacher:

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from topkd.cache.data import iter_documents, pack_sequences, position_ids
+from topkd.data.documents import iter_documents, pack_sequences, position_ids
 
 
 class CharTokenizer:
@@ -68,7 +68,7 @@ def test_a_huge_single_line_is_read_in_bounded_blocks(tmp_path, monkeypatch):
     """40 MB on one line: --max-sequences reads only what it uses, and no block exceeds TEXT_BLOCK_CHARS."""
     import itertools
 
-    from topkd.cache import data
+    from topkd.data import documents as data
 
     monkeypatch.setattr(data, "TEXT_BLOCK_CHARS", 1 << 16)
     path = tmp_path / "one-line.txt"
@@ -88,7 +88,7 @@ def test_a_huge_single_line_is_read_in_bounded_blocks(tmp_path, monkeypatch):
 
 
 def test_text_blocks_cut_long_lines_at_spaces_and_keep_every_character(tmp_path, monkeypatch):
-    from topkd.cache import data
+    from topkd.data import documents as data
 
     monkeypatch.setattr(data, "TEXT_BLOCK_CHARS", 64)
     text = "short line\n" + " ".join(f"w{i}" for i in range(200)) + "\nx" * 3 + "y" * 150 + "\n"

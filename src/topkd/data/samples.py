@@ -5,7 +5,7 @@
 
 Each epoch visits every cached sequence once in a seeded random order; their rows are laid
 end to end and cut into samples of seq_len rows, so --seq-len may differ from the cache's.
-A sample restarts positions (and so attention, see topkd.cache.data.position_ids) at every
+A sample restarts positions (and so attention, see topkd.data.documents.position_ids) at every
 document start and at every cached-sequence boundary, which is exactly the context the teacher
 saw. No loss is taken across a document boundary: the row of each separator token (whose next
 token opens another document) is masked, and so is the hard label at the end of each piece.
@@ -13,14 +13,23 @@ Samples are addressed by a global index, so resuming needs only the number consu
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
-from topkd.cache import TopKCache
-from topkd.cache.data import position_ids
-from topkd.loss.options import LossOptions
+from topkd.data.documents import position_ids
 
 PACKINGS = ("documents", "cross", "none")
+
+
+class SequenceSource(Protocol):
+    """What SampleStream reads: a TopKCache (topkd.cache), or a teacher run on the fly (topkd.train.online)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> dict: ...  # one sequence's rows: ids, logprobs, logz, input_ids, ...
+    def sequence_lengths(self) -> list[int]: ...
+    def document_starts(self) -> list[np.ndarray]: ...
 
 
 class SampleStream:
@@ -30,7 +39,7 @@ class SampleStream:
     "cross" packs the same way but attends across documents (naive packing, for ablations); "none"
     makes every document (or seq_len piece of one) its own sample, padded to the batch's longest."""
 
-    def __init__(self, source: TopKCache, seq_len: int, seed: int, temperature_column: int | None = None,
+    def __init__(self, source: SequenceSource, seq_len: int, seed: int, temperature_column: int | None = None,
                  packing: str = "documents"):
         if packing not in PACKINGS:
             raise ValueError(f"packing: expected one of {PACKINGS}, got {packing!r}")
@@ -141,15 +150,3 @@ def _pad(sample: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tenso
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["mask"].sum())
-
-
-def logz_column(source: TopKCache, options: LossOptions) -> int | None:
-    """The source's column holding c_T for the loss's temperature; None when not needed. Refuses a missing one."""
-    if not options.needs_logz:
-        return None
-    temperature, temps = options.temperature, [float(t) for t in source.temperatures]
-    if temperature not in temps:
-        raise ValueError(f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
-                         f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "
-                         "--tail renorm")
-    return temps.index(temperature)

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from topkd.cache import TopKCache
+from topkd.data.samples import SampleStream
 from topkd.loss.options import LossOptions
-from topkd.train.batches import SampleStream, logz_column
+from topkd.train.config import logz_column
 
 
 @pytest.mark.parametrize("seq_len", [48, 20, 100])  # the cache's, shorter (split), longer (concatenated)
