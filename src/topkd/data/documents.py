@@ -85,7 +85,8 @@ def _check_ids(path: str, arr: np.ndarray, vocab: int, block: int = 1 << 24) -> 
                              "tokenizer? Re-tokenise with the teacher's, or pass the text instead")
 
 
-def _jsonl_documents(path: str, tokenizer, field: str) -> Iterator[np.ndarray]:
+def jsonl_records(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of every non-blank line of a .jsonl file; bad UTF-8 or JSON names its line."""
     with _utf8_errors(path), open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -94,12 +95,17 @@ def _jsonl_documents(path: str, tokenizer, field: str) -> Iterator[np.ndarray]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: expected one JSON object per line, got invalid JSON ({e})")
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                keys = list(record)[:5] if isinstance(record, dict) else []
-                got = type(record[field]).__name__ if isinstance(record, dict) and field in record else "missing"
-                raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r}, got "
-                                 f"{type(record).__name__} with keys {keys} ({field}: {got}); set --text-field")
-            yield _encode(tokenizer, record[field])
+            yield line_no, record
+
+
+def _jsonl_documents(path: str, tokenizer, field: str) -> Iterator[np.ndarray]:
+    for line_no, record in jsonl_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            keys = list(record)[:5] if isinstance(record, dict) else []
+            got = type(record[field]).__name__ if isinstance(record, dict) and field in record else "missing"
+            raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r}, got "
+                             f"{type(record).__name__} with keys {keys} ({field}: {got}); set --text-field")
+        yield _encode(tokenizer, record[field])
 
 
 def _text_blocks(path: str) -> Iterator[str]:

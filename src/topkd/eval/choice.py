@@ -17,11 +17,11 @@ reported as skipped, never scored.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
 
+from topkd.data.documents import jsonl_records
 from topkd.eval.heads import final_hidden, head_stats, model_head
 from topkd.progress import track
 
@@ -38,19 +38,12 @@ class Item:
 def load_choice_file(path: str) -> tuple[list[Item], int]:
     """(items, rows skipped as not a recognised, well-formed question)."""
     items, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: expected one JSON object per line, got invalid JSON ({e})")
-            item = to_item(row)
-            if item is None:
-                skipped += 1
-            else:
-                items.append(item)
+    for _, row in jsonl_records(path):
+        item = to_item(row) if isinstance(row, dict) else None
+        if item is None:
+            skipped += 1
+        else:
+            items.append(item)
     if not items:
         raise ValueError(f"{path}: expected multiple-choice rows (MMLU, ARC, HellaSwag, BoolQ or generic "
                          f"question/choices/answer), got none of {skipped} rows")
