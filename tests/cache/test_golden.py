@@ -62,3 +62,28 @@ def test_golden_shard_bytes(tmp_path, codec_name):
     assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256[codec_name]
     seq = ShardReader(str(path)).sequence(0)
     assert set(seq.ids[0]) == {7, 2, 299} and list(seq.doc_starts) == [0, 1]
+
+
+GOLDEN_CODEC_BYTES = {  # every tensor a codec writes, as literal bytes (tests/cache/test_golden.py sequences)
+    "packed": {"ids_packed": "0704ac04000258022a52a000", "lp_codes": "004864009ef2000014",
+               "lp_scale": "004200420042"},
+    "rice": {"id_rem": "820c00500800", "id_unary": "fcc70301", "lp_codes": "480064009ef2140000",
+             "lp_scale": "004200420042", "unary_offsets": "000000000000000003000000000000000400000000000000"},
+    "rice-zstd": {"frame_offsets": "00000000000000001e000000000000003300000000000000",
+                  "zstd_frames": "28b52ffd241189000000420042480064009ef2820c0050fcc70312081a5928b52ffd2408410000"
+                                 "0042140000080001bf458b98"},
+}
+
+
+@pytest.mark.parametrize("codec_name", list(GOLDEN_CODEC_BYTES))
+def test_golden_codec_tensors_byte_for_byte(codec_name):
+    """The codec table (topkd/cache/shard_codecs.py) writes exactly these tensors and bytes. Read by hand:
+    lp_scale 0x4200 is float16 3.0 (the smallest compander scale); packed row 0 holds ids 7, 2, 299 in 9-bit
+    fields; rice-zstd's frames are rice's lp_scale, lp_codes, id_rem and unary bytes per sequence, zstd-framed."""
+    from topkd.cache.shard_codecs import CODECS
+
+    arrays, _ = encode_shard(golden_sequences(), vocab=300, codec_name=codec_name, temperatures=(2.0,),
+                             identity={"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"})
+    assert set(CODECS[codec_name].tensors) == set(GOLDEN_CODEC_BYTES[codec_name])
+    assert {n: arrays[n].tobytes().hex() for n in CODECS[codec_name].tensors} == GOLDEN_CODEC_BYTES[codec_name]
+    assert np.frombuffer(bytes.fromhex("0042"), "<f2")[0] == 3.0

@@ -27,9 +27,6 @@ SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq
 OPEN_SHARDS = 64
 ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "lp_codes", "id_rem",
                "ids_packed"}  # one row per token
-CODEC_TENSORS = {"rice": {"lp_scale", "lp_codes", "id_rem", "id_unary", "unary_offsets"},
-                 "packed": {"lp_scale", "lp_codes", "ids_packed"},
-                 "rice-zstd": {"zstd_frames", "frame_offsets"}}
 
 
 class TopKCache:
@@ -82,7 +79,7 @@ class TopKCache:
             raise mf.CacheError(f"cache {self.path}: {problem or side['file'] + ': stored temperatures differ'}; "
                                 "it does not belong here: delete it and its .json sidecar and rerun the build "
                                 "command to redo it")
-        expected = SHARD_TENSORS | CODEC_TENSORS.get(shard.codec, set())
+        expected = SHARD_TENSORS | shard.id_codec.tensors
         n_seq = side["sequences"][1] - side["sequences"][0]
         if shard.names != expected or len(shard) != n_seq or shard.k != self.k \
                 or int(shard.meta.get("vocab", -1)) != self.vocab_size:

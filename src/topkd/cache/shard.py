@@ -16,12 +16,11 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save
 
-from topkd.cache import codec
+from topkd.cache import codec, shard_codecs
 from topkd.files import write_atomic
 
 FORMAT_VERSION = 2  # 2: per-token compander scale, exact tempered head mass, shard identity in meta_json
-CODECS = ("rice-zstd", "rice", "packed")
-ZSTD_LEVEL = 3  # zstd level of the rice-zstd frames: 3 is within 3% of level 19 on these bytes, and fast
+CODECS = tuple(shard_codecs.CODECS)  # names; the first is the default
 
 
 @dataclass
@@ -50,8 +49,7 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
 
     identity (build_hash, shard, sequences) goes into the checksummed bytes, so a shard moved in from
     another cache or position is refused by the reader; temperatures name the columns of logz."""
-    if codec_name not in CODECS:
-        raise ValueError(f"codec: expected one of {CODECS}, got {codec_name!r}")
+    id_codec = shard_codecs.lookup(codec_name)
     if not seqs:
         raise ValueError("a shard needs at least one sequence, got none")
     cat = lambda name: np.concatenate([getattr(s, name) for s in seqs])  # noqa: E731
@@ -61,14 +59,12 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
     logz = cat("logz").astype(np.float32).reshape(len(ids), -1)
     if logz.shape[1] != len(temperatures):
         raise ValueError(f"logz: expected one column per temperature {list(temperatures)}, got {logz.shape[1]}")
-    scales = codec.row_scales(logprobs)
     arrays = {
         "input_ids": cat("input_ids").astype(np.int32),
         "log_mass": cat("log_mass").astype(np.float32),
         "log_tail": cat("log_tail").astype(np.float32),
         "logz": logz,
         "log_mass_t": _tempered_masses(seqs, logz.shape[1]),
-        "lp_scale": scales,
         "seq_rows": rows,
         "seq_source": np.array([s.source_index for s in seqs], dtype=np.int64),
         "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
@@ -77,22 +73,8 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
     meta = {"format_version": str(FORMAT_VERSION), "codec": codec_name, "k": str(k), "vocab": str(vocab),
             "temperatures": json.dumps([float(t) for t in temperatures])}
     meta.update({key: str(value) for key, value in (identity or {}).items()})
-    if codec_name == "packed":
-        arrays["ids_packed"] = codec.pack_bits(ids, codec.id_bits(vocab))
-        arrays["lp_codes"] = codec.quantise_logprobs(logprobs, scales)
-        return arrays, meta
-    order, gaps = codec.sorted_gaps(ids)
-    b = codec.best_rice_parameter(gaps)
-    parts = [codec.encode_rice(gaps[a:e], b) for a, e in zip(rows, rows[1:])]  # one unary stream per sequence
-    streams = [p[1] for p in parts]
-    arrays["id_rem"] = np.concatenate([p[0] for p in parts])
-    arrays["id_unary"] = np.concatenate(streams)
-    arrays["unary_offsets"] = np.concatenate([[0], np.cumsum([len(s) for s in streams])]).astype(np.int64)
-    arrays["lp_codes"] = codec.quantise_logprobs(np.take_along_axis(logprobs, order, axis=1), scales)
-    meta["rice_b"] = str(b)
-    if codec_name == "rice-zstd":
-        _zstd_frames(arrays, rows)
-    return arrays, meta
+    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), rows, vocab)
+    return {**arrays, **coded}, {**meta, **coded_meta}
 
 
 def _tempered_masses(seqs: list[TeacherSequence], n_temperatures: int) -> np.ndarray:
@@ -103,22 +85,6 @@ def _tempered_masses(seqs: list[TeacherSequence], n_temperatures: int) -> np.nda
             raise ValueError("log_mass_t: expected the exact tempered top-K mass per stored temperature, got None")
         parts.append(np.zeros((len(s), 0), np.float32) if s.log_mass_t is None else s.log_mass_t)
     return np.concatenate(parts).astype(np.float32).reshape(sum(len(s) for s in seqs), n_temperatures)
-
-
-def _zstd_frames(arrays: dict, rows: np.ndarray) -> None:
-    """rice-zstd: per sequence, one zstd frame of its lp_scale, lp_codes, id_rem and unary bytes (random access
-    kept; the scales are nearly all equal, so inside the frame they cost almost nothing)."""
-    import zstandard
-
-    names = ("lp_scale", "lp_codes", "id_rem", "id_unary", "unary_offsets")
-    scale, lp, rem, unary, uoff = (arrays.pop(n) for n in names)
-    scale = scale.astype("<f2")
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
-    frames = [compressor.compress(scale[a:e].tobytes() + lp[a:e].tobytes() + rem[a:e].tobytes() +
-                                  unary[ua:ue].tobytes())
-              for a, e, ua, ue in zip(rows, rows[1:], uoff, uoff[1:])]
-    arrays["zstd_frames"] = np.frombuffer(b"".join(frames), dtype=np.uint8)
-    arrays["frame_offsets"] = np.concatenate([[0], np.cumsum([len(f) for f in frames])]).astype(np.int64)
 
 
 def write_shard(path: str, arrays: dict, meta: dict) -> int:
@@ -149,9 +115,9 @@ class ShardReader:
         self.names = set(f.keys()) - {"meta_json"}
         self.seq_rows = f.get_tensor("seq_rows")
         self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
+        self.id_codec = shard_codecs.lookup(self.codec, f"{path}: codec")
         self.temperatures = [float(t) for t in json.loads(self.meta.get("temperatures", "[]"))]
-        self.unary_offsets = f.get_tensor("unary_offsets") if self.codec == "rice" else None
-        self.frame_offsets = f.get_tensor("frame_offsets") if self.codec == "rice-zstd" else None
+        self._offsets: dict[str, np.ndarray] = {}
         self.seq_source, self.seq_token_offset = f.get_tensor("seq_source"), f.get_tensor("seq_token_offset")
         self.doc_starts = f.get_tensor("doc_starts")
 
@@ -172,42 +138,17 @@ class ShardReader:
     def tensor(self, name: str) -> np.ndarray:
         return self._handle().get_tensor(name)
 
-    def _rice_parts(self, j: int, a: int, e: int) -> tuple[np.ndarray, ...]:
-        """(lp_scale [n], lp_codes [n, K], id_rem [n, bytes], unary stream) of sequence j, rows [a, e)."""
-        width = (self.k * int(self.meta["rice_b"]) + 7) // 8
-        if self.codec == "rice":
-            ua, ue = int(self.unary_offsets[j]), int(self.unary_offsets[j + 1])
-            return (self.rows("lp_scale", a, e), self.rows("lp_codes", a, e), self.rows("id_rem", a, e),
-                    self.rows("id_unary", ua, ue))
-        import zstandard
-
-        fa, fe = int(self.frame_offsets[j]), int(self.frame_offsets[j + 1])
-        try:
-            raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(self.rows("zstd_frames", fa, fe).tobytes()),
-                                dtype=np.uint8)
-        except zstandard.ZstdError as err:
-            raise ValueError(f"{self.path}: zstd frame of sequence {j} does not decode ({err}); the shard is corrupt")
-        n = e - a
-        sizes = [2 * n, n * self.k, n * width]
-        if raw.size < sum(sizes):
-            raise ValueError(f"{self.path}: zstd frame of sequence {j} is {raw.size} bytes, expected at least "
-                             f"{sum(sizes)}; the shard is corrupt")
-        scale, lp, rem, unary = np.split(raw, np.cumsum(sizes))
-        return scale.view("<f2"), lp.reshape(n, self.k), rem.reshape(n, width), unary
+    def offsets(self, name: str) -> np.ndarray:
+        """A small per-sequence offsets tensor (unary_offsets, frame_offsets), read once."""
+        if name not in self._offsets:
+            self._offsets[name] = self.tensor(name)
+        return self._offsets[name]
 
     def sequence(self, j: int) -> TeacherSequence:
         """Decode sequence j: ids in rank order, log-probs sorted descending with the exact top-K mass."""
         a, e = int(self.seq_rows[j]), int(self.seq_rows[j + 1])
         log_mass = self.rows("log_mass", a, e)
-        if self.codec == "packed":
-            logprobs = codec.dequantise_logprobs(self.rows("lp_codes", a, e), log_mass, self.rows("lp_scale", a, e))
-            ids = codec.unpack_bits(self.rows("ids_packed", a, e), self.k, codec.id_bits(int(self.meta["vocab"])))
-        else:
-            scales, lp_codes, remainders, unary = self._rice_parts(j, a, e)
-            logprobs = codec.dequantise_logprobs(lp_codes, log_mass, scales)
-            ids = codec.decode_rice(remainders, unary, self.k, int(self.meta["rice_b"]))
-            rank = np.argsort(-logprobs, axis=1, kind="stable")  # ties keep ascending id order
-            ids, logprobs = np.take_along_axis(ids, rank, 1), np.take_along_axis(logprobs, rank, 1)
+        ids, logprobs = self.id_codec.decode(self, j, a, e, log_mass)
         starts = self.doc_starts[(self.doc_starts >= a) & (self.doc_starts < e)] - a
         return TeacherSequence(
             input_ids=self.rows("input_ids", a, e).astype(np.int64), ids=ids, logprobs=logprobs,
