@@ -136,8 +136,9 @@ def test_parts_build_their_own_shards_and_a_last_run_writes_the_manifest(teacher
         assert build(cache_config(teacher_dir, text_file, out, part=part, parts=2)) == {}
         assert not (out / "manifest.json").exists()
     written = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.safetensors")}
-    build_module = sys.modules["topkd.cache.build"]  # the package's `build` attribute is the function
-    monkeypatch.setattr(build_module, "_teacher_rows", lambda *a: pytest.fail("a finished shard was recomputed"))
+    from topkd.cache.teacher import Teacher
+
+    monkeypatch.setattr(Teacher, "sequence_rows", lambda *a: pytest.fail("a finished shard was recomputed"))
     build(cache_config(teacher_dir, text_file, out))
     assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.safetensors")} == written
     assert _shard_digests(out) == _shard_digests(built_cache)

@@ -103,6 +103,9 @@ def test_vllm_build_holds_the_hf_engine_rows(fake_vllm, teacher_dir, documents_f
     assert llm.kwargs["max_logprobs"] == 8 and llm.kwargs["enable_prefix_caching"] is False
     hf, vl = TopKCache(str(tmp_path / "hf")), TopKCache(str(tmp_path / "vllm"))
     assert vl.fingerprint["engine"] == "vllm recorded" and len(hf) == len(vl)
+    assert set(vl.fingerprint) == set(hf.fingerprint)  # one fingerprint builder (topkd.cache.teacher.fingerprint)
+    same = ("tokenizer_sha256", "vocab_size", "k", "temperatures", "alignment", "attention", "teacher")
+    assert {key: vl.fingerprint[key] for key in same} == {key: hf.fingerprint[key] for key in same}
     assert sum(map(len, llm.prompts)) == vl.tokens and len(llm.prompts) > len(vl)  # documents, not sequences
     for i in range(len(hf)):
         a, b = hf[i], vl[i]

@@ -18,16 +18,13 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-import torch
-
 from topkd import dist
 from topkd.cache import manifest as mf
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
-from topkd.cache.teacher import Teacher, load_teacher, split_rows
+from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_device, require_dtype, require_ints
-from topkd.data.documents import check_paths, iter_documents, pack_sequences, position_ids
+from topkd.data.documents import check_paths, iter_documents, pack_sequences
 from topkd.files import file_sha256
 from topkd.progress import progress
 from topkd.signals import Interrupted
@@ -198,7 +195,8 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
             bar.update(tokens if j % world == rank else 0)
             continue
         _remove_stale_temps(cfg.out, j)
-        rows = [_teacher_sequence(s, r) for s, r in zip(group, _teacher_rows(teacher, group, cfg))]
+        rows = [_teacher_sequence(s, r) for s, r in
+                zip(group, teacher.sequence_rows(group, cfg.k, tuple(cfg.temperatures), cfg.batch_size))]
         first = group[0].index
         identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
         arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
@@ -231,25 +229,6 @@ def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
         raise ValueError(f"data: expected some text, got no tokens in {cfg.data} (empty files, or JSONL lines with "
                          "empty text); check the inputs")
     return total
-
-
-def _teacher_rows(teacher: Teacher | VLLMTeacher, group, cfg: CacheBuildConfig) -> list[dict]:
-    """Teacher top-K rows for each sequence of a shard, batching sequences of equal length."""
-    if isinstance(teacher, VLLMTeacher):
-        return teacher.sequence_rows(group)
-    out: list[dict | None] = [None] * len(group)
-    by_len: dict[int, list[int]] = {}
-    for i, s in enumerate(group):
-        by_len.setdefault(len(s.tokens), []).append(i)
-    for length, idx in by_len.items():
-        for b in range(0, len(idx), cfg.batch_size):
-            batch = idx[b:b + cfg.batch_size]
-            ids = torch.from_numpy(np.stack([group[i].tokens for i in batch])).to(teacher.model.device)
-            pos = torch.from_numpy(np.stack([position_ids(length, group[i].doc_starts) for i in batch]))
-            rows = teacher.topk_rows(ids, cfg.k, tuple(cfg.temperatures), pos.to(ids.device))
-            for i, seq_rows in zip(batch, split_rows(rows, len(batch), length)):
-                out[i] = seq_rows
-    return out
 
 
 def _teacher_sequence(seq, rows: dict) -> TeacherSequence:

@@ -2,6 +2,10 @@
 
     teacher = load_teacher("path/to/model_dir")            # or a .gguf file
     rows = teacher.topk_rows(input_ids, k=100, temperatures=(2.0,))
+    per_sequence = teacher.sequence_rows(sequences, k=100, temperatures=(), batch_size=8)   # TeacherEngine
+
+Every engine (this one, and vLLM in topkd/cache/vllm_engine.py) is a TeacherEngine: sequence_rows for
+packed sequences and a fingerprint built by `fingerprint()` here, so the cache build never asks which.
 
 The body runs to the final hidden states; the lm_head then runs over token chunks in fp32
 (logsumexp, top-K, exact tail mass, c_T), so [batch, seq, vocab] never exists.
@@ -12,17 +16,41 @@ import hashlib
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from topkd.data.documents import position_ids
 from topkd.files import json_sha256
 from topkd.tiles import row_blocks
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
 ALIGNMENT = "row t holds p(x_{t+1} | x_<=t)"
 ATTENTION = "per document: positions restart at each document start, no attention across documents"
+
+
+class TeacherEngine(Protocol):
+    """What the cache build needs from a teacher, whichever engine runs it."""
+
+    vocab: int
+    tokenizer: object
+
+    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...],
+                      batch_size: int) -> list[dict[str, np.ndarray]]: ...
+    def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict: ...
+
+
+def fingerprint(*, source: str, weights_sha256: str, config_sha256: str, tokenizer, dtype: str, vocab: int, k: int,
+                temperatures: tuple[float, ...], engine: str) -> dict:
+    """The identity of a teacher's rows, as the cache manifest records it: one builder for every engine."""
+    import topkd
+
+    return {"teacher": source, "weights_sha256": weights_sha256, "config_sha256": config_sha256,
+            "tokenizer_sha256": tokenizer_hash(tokenizer), "dtype": dtype, "vocab_size": vocab, "k": k,
+            "temperatures": list(temperatures), "engine": engine, "topkd_version": topkd.__version__,
+            "alignment": ALIGNMENT, "attention": ATTENTION}
 
 
 @dataclass
@@ -60,17 +88,30 @@ class Teacher:
         return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures,
                          getattr(self.model.config, "final_logit_softcapping", None))
 
+    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...],
+                      batch_size: int) -> list[dict[str, np.ndarray]]:
+        """Top-K rows of each packed sequence (topkd.data.documents.Sequence), batching those of equal length."""
+        out: list[dict | None] = [None] * len(sequences)
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(sequences):
+            by_len.setdefault(len(s.tokens), []).append(i)
+        for length, idx in by_len.items():
+            for b in range(0, len(idx), batch_size):
+                batch = idx[b:b + batch_size]
+                ids = torch.from_numpy(np.stack([sequences[i].tokens for i in batch])).to(self.model.device)
+                pos = torch.from_numpy(np.stack([position_ids(length, sequences[i].doc_starts) for i in batch]))
+                rows = self.topk_rows(ids, k, temperatures, pos.to(ids.device))
+                for i, seq_rows in zip(batch, split_rows(rows, len(batch), length)):
+                    out[i] = seq_rows
+        return out
+
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
         import transformers
 
-        import topkd
-
-        return {"teacher": self.source, "weights_sha256": weights_hash(self.model),
-                "config_sha256": config_hash(self.model.config),
-                "tokenizer_sha256": tokenizer_hash(self.tokenizer), "dtype": str(self.dtype).removeprefix("torch."),
-                "vocab_size": self.vocab, "k": k, "temperatures": list(temperatures),
-                "engine": f"transformers {transformers.__version__}", "topkd_version": topkd.__version__,
-                "alignment": ALIGNMENT, "attention": ATTENTION}
+        return fingerprint(source=self.source, weights_sha256=weights_hash(self.model),
+                           config_sha256=config_hash(self.model.config), tokenizer=self.tokenizer,
+                           dtype=str(self.dtype).removeprefix("torch."), vocab=self.vocab, k=k,
+                           temperatures=temperatures, engine=f"transformers {transformers.__version__}")
 
 
 def head_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperatures=(),

@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from topkd.cache.teacher import ALIGNMENT, ATTENTION, tokenizer_hash
+from topkd.cache.teacher import fingerprint
 from topkd.files import json_file_sha256
 
 TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
@@ -90,8 +90,10 @@ class VLLMTeacher:
         self.params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
                                           detokenize=False)
 
-    def sequence_rows(self, sequences: list) -> list[dict[str, np.ndarray]]:
-        """Rows for packed sequences (topkd.data.documents.Sequence), one vLLM call for all their pieces."""
+    def sequence_rows(self, sequences: list, k: int | None = None, temperatures: tuple[float, ...] = (),
+                      batch_size: int = 0) -> list[dict[str, np.ndarray]]:
+        """Rows for packed sequences (topkd.data.documents.Sequence), one vLLM call for all their pieces (vLLM
+        batches itself; k was fixed at construction; temperatures are refused by the build)."""
         pieces = [document_pieces(np.asarray(s.tokens), s.doc_starts) for s in sequences]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for ps in pieces for p in ps]
         outputs = iter(self.llm.generate(prompts, self.params, use_tqdm=False))
@@ -102,13 +104,10 @@ class VLLMTeacher:
         return rows
 
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
-        import topkd
-
-        return {"teacher": self.source, "weights_sha256": files_hash(self.source),
-                "config_sha256": json_file_sha256(os.path.join(self.source, "config.json")),
-                "tokenizer_sha256": tokenizer_hash(self.tokenizer), "dtype": self.dtype, "vocab_size": self.vocab,
-                "k": k, "temperatures": list(temperatures), "engine": f"vllm {self.vllm.__version__}",
-                "topkd_version": topkd.__version__, "alignment": ALIGNMENT, "attention": ATTENTION}
+        return fingerprint(source=self.source, weights_sha256=files_hash(self.source),
+                           config_sha256=json_file_sha256(os.path.join(self.source, "config.json")),
+                           tokenizer=self.tokenizer, dtype=self.dtype, vocab=self.vocab, k=k,
+                           temperatures=temperatures, engine=f"vllm {self.vllm.__version__}")
 
 
 def _rows_of(output, k: int) -> dict[str, np.ndarray]:
