@@ -38,11 +38,13 @@ def _safe_plogpq(p, log_p, log_q):
 
 
 def oracle(x, w, b, ids, logprobs, *, mask=None, teacher_logz=None, divergence="kl", tail="bucket", temperature=1.0,
-           beta=0.5, labels=None, ce_weight=0.0, reduction="mean", dtype=torch.float64):
+           beta=0.5, labels=None, ce_weight=0.0, reduction="mean", dtype=torch.float64, softcap=None):
     """The loss with plain autograd in `dtype`: float64 is the oracle; bf16 etc. is "naive same-dtype"."""
     vocab, k, h = w.shape[0], ids.shape[-1], x.shape[-1]
     lead = x.shape[:-1]
     logits = x.to(dtype).reshape(-1, h) @ w.to(dtype).T + (0 if b is None else b.to(dtype))
+    if softcap:  # Gemma-2 style final logit soft-capping
+        logits = softcap * torch.tanh(logits / softcap)
     t = float(temperature)
     log_q_full = torch.log_softmax(logits / t, -1)
     idsf = ids.reshape(-1, k).long()

@@ -36,3 +36,16 @@ def test_low_precision_no_worse_than_naive(dtype, divergence, tail):
                              pb, dtype)
         for name, g, n, e in zip(("loss", "d_hidden", "d_weight"), got, naive, exact):
             assert rel_err(g, e) <= rel_err(n, e) + TOLERANCE[dtype], (impl, name, rel_err(g, e), rel_err(n, e))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_soft_capped_low_precision_no_worse_than_naive(dtype):
+    """The capped path multiplies dL/dz' by 1 - tanh^2 in fp32 before the cast to the GEMMs' dtype."""
+    pb = make_problem(n=64, vocab=300, hidden=32, k=10, seed=12, dtype=dtype)
+    lp = pb["logprobs"].float()
+    kw = dict(mask=pb["mask"], softcap=3.0, labels=pb["labels"], ce_weight=0.2)
+    exact = loss_and_grads(lambda x, w: oracle(x, w, None, pb["ids"], lp, **kw), pb, torch.float64)
+    naive = loss_and_grads(lambda x, w: oracle(x, w, None, pb["ids"], lp, dtype=dtype, **kw), pb, dtype)
+    got = loss_and_grads(lambda x, w: topkd.fused_linear_kd(x, w, pb["ids"], lp, chunk_size=24, **kw), pb, dtype)
+    for name, g, n, e in zip(("loss", "d_hidden", "d_weight"), got, naive, exact):
+        assert rel_err(g, e) <= rel_err(n, e) + TOLERANCE[dtype], (name, rel_err(g, e), rel_err(n, e))

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import topkd
 from topkd.cache import TopKCache
 from topkd.data.samples import SampleStream
 from topkd.train import TrainConfig, train
@@ -143,13 +144,23 @@ def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_p
         train(config(built_cache, tmp_path / "big", top_k=17))
 
 
-def test_student_with_logit_soft_capping_is_refused(teacher_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
-    model.config.final_logit_softcapping = 30.0  # Gemma-2 style: the loss would not see the cap
-    with pytest.raises(ValueError, match="expected no final logit soft-capping"):
-        KDStudent(model, 1000, {})
+def test_soft_capped_student_trains_on_its_capped_logits(built_cache, tmp_path):
+    """A Gemma-2 style student (final_logit_softcapping): the loss is that of c tanh(z / c), not of z."""
+    cache = TopKCache(built_cache)
+    torch.manual_seed(0)
+    model = load_student(config(built_cache, tmp_path), cache).model
+    model.config.final_logit_softcapping = 2.0
+    batch = SampleStream(cache, 30, seed=0).batch(0, 2)
+    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    loss = KDStudent(model, cache.vocab_size, opts)(batch)
+    hidden = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
+    head = model.get_output_embeddings().weight[: cache.vocab_size]
+    args = (hidden, head, batch["teacher_ids"], batch["teacher_logprobs"])
+    want = topkd.fused_linear_kd(*args, mask=batch["mask"], reduction="sum", impl="dense", softcap=2.0)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    assert abs(loss.item() - topkd.fused_linear_kd(*args, mask=batch["mask"], reduction="sum").item()) > 1e-3
+    with pytest.raises(ValueError, match="objective='ce': expected a student without final logit soft-capping"):
+        KDStudent(model, cache.vocab_size, opts, objective="ce")
 
 
 def test_autocast_bf16_trains_through_masked_tokens(documents_cache, tmp_path):

@@ -41,6 +41,7 @@ def fused_linear_kd(
     chunk_size: int | None = None,
     bias: Tensor | None = None,
     vocab_parallel: VocabParallel | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Top-K knowledge-distillation loss of the student projection `hidden @ weight.T (+ bias)`.
 
@@ -53,9 +54,11 @@ def fused_linear_kd(
     chunk_size: rows per chunk; default from the device's budget for the chunk's buffers (CPU 256 MiB, GPU 1 GiB).
     vocab_parallel: weight holds only rows [start, start + rows) of the vocabulary, split across a process
     group (topkd.loss.vocab_parallel); impl="fused" only.
+    softcap: the student's logits are softcap * tanh(z / softcap) (Gemma-2's final_logit_softcapping), z the
+    projection; the loss and its gradients are those of the capped logits.
     Under torch.autocast the loss still computes in its inputs' dtypes: it picks its own precision.
     """
-    options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size)
+    options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size, softcap)
     return kd_loss(hidden, weight, teacher_ids, teacher_logprobs, options, mask=mask, teacher_logz=teacher_logz,
                    labels=labels, bias=bias, vocab_parallel=vocab_parallel)
 
@@ -153,7 +156,8 @@ def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_l
     validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, options.tail,
                           float(options.temperature))
     spec = LossSpec(options.divergence, options.tail, float(options.temperature), float(options.beta),
-                    float(options.ce_weight), full_support=(k == vocab))
+                    float(options.ce_weight), full_support=(k == vocab),
+                    softcap=None if options.softcap is None else float(options.softcap))
     chunk = options.chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
                                              hidden.device.type)
     return x, row_index, rows, spec, chunk
@@ -179,9 +183,10 @@ class KDLoss(nn.Module):
 
     def __init__(self, *, divergence: str = "kl", tail: str = "bucket", temperature: float = 1.0,
                  beta: float = 0.5, ce_weight: float = 0.0, reduction: str = "mean", impl: str = "fused",
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
-        self.options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size)
+        self.options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size,
+                                   softcap)
 
     def forward(self, hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
                 mask: Tensor | None = None, teacher_logz: Tensor | None = None, labels: Tensor | None = None,

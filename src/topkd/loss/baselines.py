@@ -75,15 +75,20 @@ def _slices(logits: Tensor, rows: TeacherRows, spec: LossSpec, kd_w, ce_w, chunk
 def chunked_linear_kd(x: Tensor, weight: Tensor, bias: Tensor | None, rows: TeacherRows, spec: LossSpec,
                       reduction: str, chunk: int) -> Tensor:
     """x: counted rows [n, H]. Materialises logits [n, V] in the input dtype."""
-    logits = F.linear(x, weight, bias)
+    logits = _capped(F.linear(x, weight, bias), spec.softcap)
     return _ChunkedOnLogits.apply(logits, rows, spec, reduction, chunk)
+
+
+def _capped(logits: Tensor, softcap: float | None) -> Tensor:
+    """The baselines' soft-capping, by autograd: softcap * tanh(logits / softcap)."""
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
 
 def dense_linear_kd(x: Tensor, weight: Tensor, bias: Tensor | None, rows: TeacherRows, spec: LossSpec,
                     reduction: str) -> Tensor:
     """Textbook dense KD: [n, V] teacher grid and student log-softmax, plain autograd."""
     cdt = compute_dtype(x.dtype)
-    logits = F.linear(x, weight, bias).to(cdt)
+    logits = _capped(F.linear(x, weight, bias).to(cdt), spec.softcap)
     n, vocab = logits.shape
     ids = rows.ids.long()
     log_q_full = torch.log_softmax(logits / spec.temperature, dim=-1)

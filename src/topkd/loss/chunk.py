@@ -37,6 +37,7 @@ class LossSpec:
     beta: float = 0.5
     ce_weight: float = 0.0
     full_support: bool = False  # K == V: the teacher tail is exactly zero
+    softcap: float | None = None  # the drivers cap the logits (c tanh(z / c)) before the chunk math sees them
 
 
 @dataclass(frozen=True)

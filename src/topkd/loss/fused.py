@@ -34,7 +34,7 @@ def chunk_rows(vocab: int, dtype: torch.dtype, spec: LossSpec, has_labels: bool,
     logits (two with CE at T != 1) and, for bf16/fp16 inputs, the low-precision dL/dz the GEMMs read (plus,
     on a CPU, the GEMM's low-precision output). On a GPU rows are a multiple of 128."""
     cdt = compute_dtype(dtype)
-    buffers = 2 if (has_labels and spec.temperature != 1.0) else 1
+    buffers = (2 if (has_labels and spec.temperature != 1.0) else 1) + (1 if spec.softcap else 0)
     per_row = vocab * buffers * torch.finfo(cdt).bits // 8
     if dtype != cdt:
         per_row += (1 if device_type != "cpu" else 2) * vocab * torch.finfo(dtype).bits // 8
@@ -106,14 +106,19 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
     want_grad = any(needs)
     # bf16/fp16 inputs: dL/dz is written (cast in the same pass) into a buffer in the GEMMs' dtype
     low = torch.empty_like(buf, dtype=hidden.dtype) if want_grad and hidden.dtype != cdt else None
+    cap_buf = torch.empty_like(buf) if spec.softcap else None
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         x = hidden[start:end] if row_index is None else hidden.index_select(0, row_index[start:end])
         z = gemm.project(x, weight, bias, buf[: end - start])
+        cap = None if cap_buf is None else soft_cap(z, spec.softcap, cap_buf[: end - start])
         dz = z if low is None else low[: end - start]
         kd, ce = chunk_step(z, rows.slice(start, end), spec,
                             kd_w[start:end] if want_grad else None,
-                            None if ce_w is None or not want_grad else ce_w[start:end], shard, dz, kernels)
+                            None if ce_w is None or not want_grad else ce_w[start:end], shard,
+                            dz if cap is None else z, kernels)
+        if cap is not None and want_grad:  # dL/dz = dL/dz' (1 - tanh^2), in fp32, then cast as it is written
+            torch.mul(z, cap.square_().neg_().add_(1.0), out=dz)
         kd_tok[start:end] = kd
         if ce_tok is not None:
             ce_tok[start:end] = ce
@@ -122,6 +127,13 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
     if shard is not None and grads.hidden is not None:  # each process's columns contribute to every dX row
         shard.all_reduce(grads.hidden, "sum")
     return kd_tok, ce_tok, grads
+
+
+def soft_cap(z: Tensor, cap: float, tanh_out: Tensor) -> Tensor:
+    """In place z <- cap tanh(z / cap); returns tanh(z / cap) in tanh_out (the gradient's factor needs it)."""
+    torch.div(z, cap, out=tanh_out).tanh_()
+    torch.mul(tanh_out, cap, out=z)
+    return tanh_out
 
 
 def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index, start: int, end: int,

@@ -24,10 +24,12 @@ class LossOptions:
     reduction: str = "mean"
     impl: str = "fused"
     chunk_size: int | None = None
+    softcap: float | None = None  # student logits are c tanh(z / c) (Gemma-2 style final_logit_softcapping)
 
     def __post_init__(self) -> None:
         validate.check_names(self.divergence, self.tail, self.impl, self.reduction)
         validate.check_numbers(self.temperature, self.beta, self.ce_weight, self.divergence, self.chunk_size)
+        validate.check_softcap(self.softcap)
 
     @property
     def needs_logz(self) -> bool:

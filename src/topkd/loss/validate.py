@@ -54,6 +54,11 @@ def check_numbers(temperature: float, beta: float, ce_weight: float, divergence:
           f"chunk_size: expected None (from the byte budget) or an int >= 1, got {chunk_size!r}")
 
 
+def check_softcap(softcap) -> None:
+    _need(softcap is None or (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0),
+          f"softcap: expected None or a finite number > 0 (the model's final_logit_softcapping), got {softcap!r}")
+
+
 def check_shapes(hidden: Tensor, weight: Tensor, bias, ids: Tensor, logprobs: Tensor, mask, logz, labels,
                  vocab: int | None = None) -> None:
     """vocab: the full vocabulary when weight holds only some of its rows (vocab-parallel)."""

@@ -10,6 +10,7 @@ left out of the projection, so they get no probability mass and no gradient.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -77,13 +78,14 @@ class KDStudent(nn.Module):
                  activation_checkpointing: bool = False, objective: str = "kd", top_k: int = 0,
                  head_dtype: torch.dtype = torch.float32):
         super().__init__()
-        softcap = getattr(model.config, "final_logit_softcapping", None)
-        if softcap:
-            raise ValueError(f"student: expected no final logit soft-capping, got final_logit_softcapping={softcap}; "
-                             "the fused loss projects with the lm_head weight alone, so it would train another "
-                             "distribution than the model's; set model.config.final_logit_softcapping = None")
+        options = options if isinstance(options, LossOptions) else LossOptions(**{"reduction": "sum", **options})
+        softcap = getattr(model.config, "final_logit_softcapping", None) or None  # Gemma-2 style: the loss caps too
+        if softcap and objective == "ce":
+            raise ValueError(f"objective='ce': expected a student without final logit soft-capping, got "
+                             f"final_logit_softcapping={softcap} (torch's linear cross entropy cannot cap); use "
+                             "objective='kd' with ce_weight, which caps")
         self.model, self.teacher_vocab = model, teacher_vocab
-        self.options = options if isinstance(options, LossOptions) else LossOptions(**{"reduction": "sum", **options})
+        self.options = dataclasses.replace(options, softcap=softcap)
         self.objective, self.top_k = objective, top_k or None
         self.head_dtype = head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
         if activation_checkpointing:
