@@ -9,9 +9,10 @@ BASE = {"files", "memory", "stamp", "progress", "signals", "checks", "dist", "ti
 LAYERS = {  # layer -> the layers it may import (base is always allowed)
     "data": set(),
     "loss": set(),
-    "cache": {"data"},
-    "train": {"data", "loss", "cache"},
-    "eval": {"data", "loss", "cache"},
+    "models": set(),
+    "cache": {"data", "models"},
+    "train": {"data", "loss", "cache", "models"},
+    "eval": {"data", "loss", "cache", "models"},
 }
 
 

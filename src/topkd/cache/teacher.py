@@ -24,6 +24,7 @@ from torch import Tensor
 
 from topkd.data.documents import position_ids
 from topkd.files import json_sha256
+from topkd.models import final_hidden, load_causal_lm
 from topkd.tiles import row_blocks
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
@@ -69,8 +70,7 @@ class Teacher:
         """Final (normed) hidden states [B, L, H] from the model body: no logits.
 
         position_ids that restart at document starts make transformers mask attention per document."""
-        return self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                        use_cache=False).last_hidden_state
+        return final_hidden(self.model, input_ids, position_ids)
 
     @cached_property
     def head_fp32(self) -> tuple[Tensor, Tensor | None]:
@@ -169,25 +169,9 @@ def split_rows(flat: dict[str, np.ndarray], n_seqs: int, length: int) -> list[di
 
 
 def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Teacher:
-    """An HF causal LM from a local directory, or a GGUF file (dequantised by transformers' gguf support)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not os.path.exists(source):
-        raise ValueError(f"teacher: expected a local model directory or .gguf file, got {source!r} (not found); "
-                         "download the model first, topkd never fetches from a hub")
-    torch_dtype = getattr(torch, dtype)
-    kwargs = {"dtype": torch_dtype}
-    where = source
-    if source.endswith(".gguf"):
-        where, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(source)), os.path.basename(source)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"teacher {source!r}: expected tokenizer files beside the model (tokenizer.json or "
-                         f"tokenizer_config.json), got none usable ({str(e).splitlines()[0][:160]}); save the "
-                         "teacher's tokenizer there with tokenizer.save_pretrained") from None
-    model = AutoModelForCausalLM.from_pretrained(where, **kwargs).to(device).eval()
-    return Teacher(model=model, tokenizer=tokenizer, source=os.path.abspath(source), dtype=torch_dtype)
+    """An HF causal LM from a local directory, or a GGUF file (topkd.models.load_causal_lm)."""
+    model, tokenizer = load_causal_lm(source, dtype, device, role="teacher")
+    return Teacher(model=model, tokenizer=tokenizer, source=os.path.abspath(source), dtype=getattr(torch, dtype))
 
 
 def weights_hash(model: torch.nn.Module) -> str:

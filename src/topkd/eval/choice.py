@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from topkd.data.documents import jsonl_records
-from topkd.eval.heads import final_hidden, head_stats, model_head
+from topkd.eval.heads import head_stats
+from topkd.models import final_hidden, model_head
 from topkd.progress import track
 
 LETTERS = "ABCDEFGHIJ"
@@ -120,6 +121,7 @@ def score_item(model, tokenizer, item: Item) -> list[float]:
     return scores
 
 
+@torch.no_grad()
 def _hidden(model, ids: list[int], device) -> torch.Tensor:
     t = torch.tensor(ids, device=device)[None]
     return final_hidden(model, t, torch.arange(t.shape[1], device=device)[None])[0]

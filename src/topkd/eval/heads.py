@@ -40,14 +40,3 @@ def head_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *, ta
         if teacher_ids is not None:
             out["logprobs_at_teacher_ids"].append(logp.gather(1, teacher_ids[a:a + rows].long()))
     return {name: torch.cat(parts) if parts else torch.zeros(0) for name, parts in out.items()}
-
-
-def model_head(model) -> tuple[Tensor, Tensor | None, float | None]:
-    head = model.get_output_embeddings()
-    return head.weight, getattr(head, "bias", None), getattr(model.config, "final_logit_softcapping", None)
-
-
-@torch.no_grad()
-def final_hidden(model, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-    """[B, L] -> [B, L, H] final normed hidden states; per-document attention via restarting positions."""
-    return model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state

@@ -16,11 +16,11 @@ import random
 from dataclasses import asdict, dataclass, field
 
 from topkd.cache import TopKCache
-from topkd.cache.teacher import load_teacher
 from topkd.checks import require_device, require_dtype, require_ints, require_path
 from topkd.eval.choice import evaluate_choices, load_choice_file
 from topkd.eval.text import evaluate_text
 from topkd.eval.vs_cache import evaluate_vs_cache
+from topkd.models import load_causal_lm
 from topkd.progress import wrote
 
 
@@ -85,8 +85,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     check_config(cfg)
     if cfg.cache:
         TopKCache(cfg.cache)  # a refused cache is refused before the model loads
-    model_and_tok = load_teacher(cfg.model, cfg.dtype, cfg.device)
-    model, tokenizer = model_and_tok.model, model_and_tok.tokenizer
+    model, tokenizer = load_causal_lm(cfg.model, cfg.dtype, cfg.device, role="model")
     result = {"model": cfg.name or cfg.model}
     if cfg.text:
         result["text"] = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens)

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from topkd.data.documents import iter_documents, pack_sequences, position_ids, whole
-from topkd.eval.heads import final_hidden, head_stats, model_head
+from topkd.eval.heads import head_stats
+from topkd.models import final_hidden, model_head
 from topkd.progress import track
 
 
+@torch.no_grad()
 def evaluate_text(model, tokenizer, paths: list[str], seq_len: int = 1024, max_tokens: int = 0,
                   text_field: str = "text") -> dict:
     documents, text_bytes = _documents(paths, tokenizer, text_field, max_tokens)

@@ -19,11 +19,13 @@ import torch
 
 from topkd.cache import TopKCache
 from topkd.data.samples import SampleStream
-from topkd.eval.heads import final_hidden, head_stats, model_head
+from topkd.eval.heads import head_stats
 from topkd.loss import fused_linear_kd
+from topkd.models import final_hidden, model_head
 from topkd.progress import track
 
 
+@torch.no_grad()
 def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0) -> dict:
     stream = SampleStream(cache, cache.seq_len, seed=0)
     weight, bias, softcap = model_head(model)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
 from topkd.loss import fused_linear_kd
 from topkd.loss.options import LossOptions
+from topkd.models import final_hidden, load_causal_lm
 
 
 @dataclass
@@ -35,16 +35,7 @@ def load_student(cfg, source: TopKCache) -> Student:
         teacher = getattr(source, "teacher", None) or load_teacher(source.fingerprint["teacher"])
         model, tokenizer = cut_layers(teacher.model, cfg.layers), teacher.tokenizer
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if not os.path.isdir(cfg.student):
-            raise ValueError(f"student: expected a local model directory, got {cfg.student!r} (not found)")
-        model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.student)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"student {cfg.student!r} has no usable tokenizer ({str(e).splitlines()[0]}); save the "
-                             "teacher's tokenizer into that directory (tokenizer.save_pretrained)") from e
+        model, tokenizer = load_causal_lm(cfg.student, "float32", "cpu", role="student")
     source.check_student(vocab_size=model.get_output_embeddings().weight.shape[0], tokenizer=tokenizer)
     model.config.use_cache = False
     return Student(model=model.float().train(), tokenizer=tokenizer)
@@ -92,8 +83,7 @@ class KDStudent(nn.Module):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                          use_cache=False).last_hidden_state
+        hidden = final_hidden(self.model, batch["input_ids"], batch["position_ids"])
         head = self.model.get_output_embeddings()
         low = self.head_dtype  # the casts' backward returns dW to the fp32 master weights
         weight = head.weight[: self.teacher_vocab].to(low)  # padded student rows: no mass, no gradient
