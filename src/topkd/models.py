@@ -47,3 +47,28 @@ def model_head(model) -> tuple[Tensor, Tensor | None, float | None]:
     """(lm_head weight, bias or None, final_logit_softcapping or None)."""
     head = model.get_output_embeddings()
     return head.weight, getattr(head, "bias", None), getattr(model.config, "final_logit_softcapping", None) or None
+
+
+def soft_cap(z: Tensor, softcap: float | None) -> Tensor:
+    """Gemma-2 style final logit soft-capping, in place: z <- softcap tanh(z / softcap) (no-op for None). The
+    loss has its own variant (topkd/loss/fused.py) that keeps tanh for the gradient."""
+    if softcap:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def logit_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, chunk_bytes: int):
+    """(start row, fp32 logits [rows, V]) over row chunks of hidden [N, H], capped like the model's own; the
+    buffer is reused between chunks (no page faults per chunk), so a caller must be done with one before the
+    next. [N, V] never exists."""
+    vocab = weight.shape[0]
+    rows = max(1, min(hidden.shape[0], chunk_bytes // (4 * vocab)))
+    buf = torch.empty(rows, vocab, device=hidden.device)
+    w = weight if weight.dtype == torch.float32 else weight.float()
+    b = None if bias is None else bias.float()
+    for a in range(0, hidden.shape[0], rows):
+        z = buf[: min(rows, hidden.shape[0] - a)]
+        torch.mm(hidden[a:a + rows].float(), w.t(), out=z)
+        if b is not None:
+            z.add_(b)
+        yield a, soft_cap(z, softcap)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from topkd.data.documents import position_ids
 from topkd.files import json_sha256
-from topkd.models import final_hidden, load_causal_lm
+from topkd.models import final_hidden, load_causal_lm, logit_chunks
 from topkd.tiles import row_blocks
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
@@ -122,18 +122,10 @@ def head_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, tempe
     vocab = weight.shape[0]
     if not 1 <= k <= vocab:
         raise ValueError(f"k: expected 1 <= k <= vocab size {vocab}, got {k}")
-    rows = max(1, min(hidden.shape[0], chunk_bytes // (4 * vocab)))
-    logits = torch.empty(rows, vocab, device=hidden.device)  # reused: no page faults per chunk
-    scratch = torch.empty(row_blocks(logits)[0][1], vocab, device=hidden.device)  # one L2-sized row block
-    parts = []
-    for a in range(0, hidden.shape[0], rows):
-        h = hidden[a:a + rows].float()
-        z = logits[: len(h)]
-        torch.mm(h, weight.t(), out=z)
-        if bias is not None:
-            z.add_(bias)
-        if softcap:  # Gemma-style final logit soft-capping is part of the teacher's distribution
-            z.div_(softcap).tanh_().mul_(softcap)
+    scratch, parts = None, []
+    for _, z in logit_chunks(hidden, weight, bias, softcap, chunk_bytes):
+        if scratch is None:  # one row block (L2-sized on a CPU), reused by every chunk
+            scratch = torch.empty(row_blocks(z)[0][1], vocab, device=z.device)
         parts.append(_chunk_topk(z, scratch, k, temperatures))
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from topkd.models import logit_chunks
+
 CHUNK_BYTES = 128 * 2**20
 
 
@@ -20,19 +22,14 @@ def head_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *, ta
                teacher_ids: Tensor | None = None, softcap: float | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> dict[str, Tensor]:
     """hidden [N, H]; targets [N] (ids, any value where unused); teacher_ids [N, K]."""
-    n, vocab = hidden.shape[0], weight.shape[0]
-    rows = max(1, chunk_bytes // (4 * vocab))
+    vocab = weight.shape[0]
     out: dict[str, list[Tensor]] = {"argmax": []}
     if targets is not None:
         out["target_logprob"] = []
     if teacher_ids is not None:
         out["logprobs_at_teacher_ids"] = []
-    w = weight.float()
-    b = None if bias is None else bias.float()
-    for a in range(0, n, rows):
-        z = torch.nn.functional.linear(hidden[a:a + rows].float(), w, b)
-        if softcap:
-            z = torch.tanh(z / softcap) * softcap
+    for a, z in logit_chunks(hidden, weight, bias, softcap, chunk_bytes):
+        rows = z.shape[0]
         logp = torch.log_softmax(z, dim=-1)
         out["argmax"].append(logp.argmax(dim=-1))
         if targets is not None:

@@ -20,6 +20,7 @@ import torch
 from topkd.cache.reader import check_student_fits
 from topkd.cache.teacher import Teacher, tokenizer_hash
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
+from topkd.models import model_head, soft_cap
 
 
 class OnlineTeacher:
@@ -67,10 +68,7 @@ class OnlineTeacher:
         """log softmax over the whole vocabulary; c_T = logsumexp(log p / T) per temperature."""
         h = self.teacher.hidden_states(ids, pos)[0].float()
         weight, bias = self.teacher.head_fp32
-        z = torch.nn.functional.linear(h, weight, bias)
-        softcap = getattr(self.teacher.model.config, "final_logit_softcapping", None)
-        if softcap:
-            z = torch.tanh(z / softcap) * softcap
+        z = soft_cap(torch.nn.functional.linear(h, weight, bias), model_head(self.teacher.model)[2])
         logprobs = torch.log_softmax(z, dim=-1)
         logz = torch.stack([torch.logsumexp(logprobs / t, dim=-1) for t in temps], 1) if temps else \
             torch.zeros(len(z), 0)
