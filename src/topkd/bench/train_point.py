@@ -185,7 +185,7 @@ def measure_loading(shape: str, tokens: int, size: int, layers: int, repeats: in
             t0 = time.perf_counter()
             stream.batch((r + 1) * size, size)  # decode alone, on samples not read before
             decode.append(time.perf_counter() - t0)
-            stream._decoded = None  # nothing left decoded: the cached step reads its batch from the shards
+            stream.forget_decoded()  # nothing left decoded: the cached step reads its batch from the shards
             pair = [lambda: cached.append(step(module, optimizer, stream, size, index=r)),
                     lambda: in_memory.append(step(module, optimizer, held, size))]
             for run in pair if r % 2 == 0 else pair[::-1]:  # alternate which goes first

@@ -51,6 +51,17 @@ class TopKCache:
                                     "(rerunning the build command redoes only the bad shards once they are deleted)")
             self._check_header(j, side)
 
+    @property
+    def teacher_dir(self) -> str:
+        """Where the teacher that built this cache was loaded from (its fingerprint)."""
+        return self.fingerprint["teacher"]
+
+    def load_teacher(self):
+        """The teacher that built this cache, loaded from its recorded path (what --init-from-teacher copies)."""
+        from topkd.cache.teacher import load_teacher
+
+        return load_teacher(self.teacher_dir)
+
     def __len__(self) -> int:
         return self._len
 

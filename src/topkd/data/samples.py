@@ -87,7 +87,7 @@ class SampleStream:
         return self.plan(index // self.per_epoch)[index % self.per_epoch]
 
     def _sequence(self, i: int) -> dict:
-        if self._decoded is None or self._decoded[0] != i:
+        if self._decoded is None or self._decoded[0] != i:  # the last sequence decoded, kept: samples share it
             self._decoded = (i, self.source[i])
         return self._decoded[1]
 
@@ -112,6 +112,10 @@ class SampleStream:
         return {"input_ids": ids, "teacher_ids": row["teacher_ids"][a:e],
                 "teacher_logprobs": row["teacher_logprobs"][a:e], "teacher_logz": logz, "mask": mask,
                 "labels": labels, "doc_start": doc_start}
+
+    def forget_decoded(self) -> None:
+        """Drop the one decoded sequence kept between samples (the next read decodes from the source again)."""
+        self._decoded = None
 
     def batch(self, first_sample: int, size: int) -> dict[str, torch.Tensor]:
         """Samples [first_sample, first_sample + size), padded to the longest of them (not to seq_len: a short

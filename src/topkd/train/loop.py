@@ -46,7 +46,7 @@ def train(cfg: TrainConfig) -> dict:
     device = dist.local_device(cfg.device)
     torch.manual_seed(cfg.seed)
     source = open_source(cfg, device)
-    check_paths(cfg, teacher_dir=getattr(source, "fingerprint", {}).get("teacher") if cfg.init_from_teacher else None)
+    check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
     check_top_k(cfg.top_k, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
@@ -141,10 +141,10 @@ def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
 
 def check_top_k(top_k: int, source) -> None:
     """--top-k takes the first N columns, which are the teacher's N most likely tokens only in rank-ordered rows."""
-    if top_k and not getattr(source, "k", 0):
+    if top_k and not source.k:
         raise ValueError(f"top_k={top_k}: expected rank-ordered teacher rows (a cache, or --online-k), got "
                          "full-vocabulary online rows; use --online-k instead")
-    if top_k > getattr(source, "k", 0):
+    if top_k > source.k:
         raise ValueError(f"top_k: expected at most the teacher rows' K={source.k}, got {top_k}; build the cache "
                          "with a larger --k")
 

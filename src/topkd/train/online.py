@@ -51,6 +51,14 @@ class OnlineTeacher:
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
         check_student_fits(self.vocab_size, tokenizer_hash(self.teacher.tokenizer), vocab_size, tokenizer)
 
+    @property
+    def teacher_dir(self) -> str:
+        return self.teacher.source
+
+    def load_teacher(self) -> Teacher:
+        """The teacher (already in memory here): what --init-from-teacher copies layers from."""
+        return self.teacher
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         seq = self.sequences[i]
         ids = torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64))[None].to(self.teacher.model.device)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from topkd.cache import TopKCache
-from topkd.cache.teacher import load_teacher
 from topkd.loss import fused_linear_kd
 from topkd.loss.options import LossOptions
 from topkd.models import final_hidden, load_causal_lm
@@ -32,7 +31,7 @@ class Student:
 def load_student(cfg, source: TopKCache) -> Student:
     """The student of cfg, checked against the source's teacher (a TopKCache or an OnlineTeacher)."""
     if cfg.init_from_teacher:
-        teacher = getattr(source, "teacher", None) or load_teacher(source.fingerprint["teacher"])
+        teacher = source.load_teacher()
         model, tokenizer = cut_layers(teacher.model, cfg.layers), teacher.tokenizer
     else:
         model, tokenizer = load_causal_lm(cfg.student, "float32", "cpu", role="student")
