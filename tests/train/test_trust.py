@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.train.test_train import _cli, config, losses
+from tests.train.runs import cli_args, config, losses
 from topkd.files import file_sha256
 from topkd.train import checkpoint as ckpt
 from topkd.train import train
@@ -140,7 +140,7 @@ def _wait_for_rows(path, n, proc, timeout=120):
 @pytest.fixture(scope="module")
 def reference_losses(built_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "run"
-    subprocess.run(_cli(built_cache, out, 60), env=ENV, check=True, capture_output=True)
+    subprocess.run(cli_args(built_cache, out, 60), env=ENV, check=True, capture_output=True)
     return losses(out)
 
 
@@ -148,7 +148,7 @@ def reference_losses(built_cache, tmp_path_factory):
 def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_cache, tmp_path, signum,
                                                                          reference_losses):
     steps, run = 60, tmp_path / "run"
-    proc = subprocess.Popen(_cli(built_cache, run, steps), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cli_args(built_cache, run, steps), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     _wait_for_rows(run / "metrics.jsonl", 5, proc)
     proc.send_signal(signum)
@@ -159,7 +159,7 @@ def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_ca
     stopped_at = int(line.split("step ")[1].split(";")[0])
     assert stopped_at < steps and ckpt.latest_step(str(run)) == stopped_at
     assert not list((run / "checkpoints").glob("*.tmp"))
-    subprocess.run(_cli(built_cache, run, steps), env=ENV, check=True, capture_output=True)
+    subprocess.run(cli_args(built_cache, run, steps), env=ENV, check=True, capture_output=True)
     assert losses(run) == reference_losses
 
 

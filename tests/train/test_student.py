@@ -1,0 +1,92 @@
+"""The student module: cut layers, vocabulary and top-K checks, soft-capping, the bf16 head."""
+
+import pytest
+import torch
+
+import topkd
+from tests.train.runs import config
+from topkd.cache import TopKCache
+from topkd.data.samples import SampleStream
+from topkd.train import train
+from topkd.train.student import KDStudent, cut_layers, load_student
+
+
+def test_cut_layers_keeps_first_and_last(teacher_dir):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    student = cut_layers(teacher, 2)
+    assert student.config.num_hidden_layers == 2 and len(teacher.model.layers) == 2
+    assert torch.equal(student.model.layers[1].mlp.up_proj.weight, teacher.model.layers[1].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="layers: expected 1..2"):
+        cut_layers(teacher, 3)
+
+
+def test_student_with_another_vocabulary_is_refused(built_cache, tmp_path, teacher_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    model.resize_token_embeddings(900)
+    model.save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="student .*: expected tokenizer files beside the model"):
+        train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
+    AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="expected >= the teacher's 1000"):
+        train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
+
+
+def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_path):
+    cache = TopKCache(built_cache)
+    batch = SampleStream(cache, 24, seed=0).batch(0, 2)
+    cfg = config(built_cache, tmp_path)
+    student = load_student(cfg, cache)
+    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    sliced = KDStudent(student.model, cache.vocab_size, opts, top_k=4)(batch)
+    narrow = {**batch, "teacher_ids": batch["teacher_ids"][..., :4],
+              "teacher_logprobs": batch["teacher_logprobs"][..., :4]}
+    assert torch.equal(sliced, KDStudent(student.model, cache.vocab_size, opts)(narrow))
+    with pytest.raises(ValueError, match="at most the teacher rows' K=16"):
+        train(config(built_cache, tmp_path / "big", top_k=17))
+
+
+def test_soft_capped_student_trains_on_its_capped_logits(built_cache, tmp_path):
+    """A Gemma-2 style student (final_logit_softcapping): the loss is that of c tanh(z / c), not of z."""
+    cache = TopKCache(built_cache)
+    torch.manual_seed(0)
+    model = load_student(config(built_cache, tmp_path), cache).model
+    model.config.final_logit_softcapping = 2.0
+    batch = SampleStream(cache, 30, seed=0).batch(0, 2)
+    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    loss = KDStudent(model, cache.vocab_size, opts)(batch)
+    hidden = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
+    head = model.get_output_embeddings().weight[: cache.vocab_size]
+    args = (hidden, head, batch["teacher_ids"], batch["teacher_logprobs"])
+    want = topkd.fused_linear_kd(*args, mask=batch["mask"], reduction="sum", impl="dense", softcap=2.0)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    assert abs(loss.item() - topkd.fused_linear_kd(*args, mask=batch["mask"], reduction="sum").item()) > 1e-3
+    with pytest.raises(ValueError, match="objective='ce': expected a student without final logit soft-capping"):
+        KDStudent(model, cache.vocab_size, opts, objective="ce")
+
+
+def test_bf16_head_runs_the_loss_gemms_in_bf16_and_updates_fp32_masters(built_cache, tmp_path, monkeypatch):
+    """head_dtype=bf16 (what --autocast-bf16 sets): the loss sees bf16 hidden and weight, the fp32 master weights
+    get fp32 gradients, and the loss is the fp32 loss to bf16 accuracy."""
+    import topkd.train.student as student_module
+
+    cache = TopKCache(built_cache)
+    cfg = config(built_cache, tmp_path)
+    torch.manual_seed(0)
+    model = load_student(cfg, cache).model
+    batch = SampleStream(cache, 30, seed=0).batch(0, 2)
+    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    seen, real = [], student_module.fused_linear_kd
+    monkeypatch.setattr(student_module, "fused_linear_kd", lambda h, w, *a, **k: seen.append((h.dtype, w.dtype))
+                        or real(h, w, *a, **k))
+    full = KDStudent(model, cache.vocab_size, opts)(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = KDStudent(model, cache.vocab_size, opts, head_dtype=torch.bfloat16)(batch)
+    low.backward()
+    assert seen == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+    head = model.get_output_embeddings().weight
+    assert head.dtype == head.grad.dtype == torch.float32 and bool(head.grad.abs().sum() > 0)
+    assert abs(low.item() - full.item()) <= 2e-2 * abs(full.item())
