@@ -63,8 +63,8 @@ class OnlineTeacher:
         seq = self.sequences[i]
         ids = torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64))[None].to(self.teacher.model.device)
         pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(ids.device)
-        temps = tuple(self.temperatures)
-        rows = self.teacher.topk_rows(ids, self.k, temps, pos) if self.k else self._full_rows(ids, pos, temps)
+        temps = tuple(self.temperatures)  # top-K rows through the TeacherEngine interface, as the cache build
+        rows = self.teacher.sequence_rows([seq], self.k, temps, 1)[0] if self.k else self._full_rows(ids, pos, temps)
         doc_start = torch.zeros(len(seq.tokens), dtype=torch.bool)
         doc_start[torch.from_numpy(seq.doc_starts)] = True
         return {"input_ids": ids[0].cpu(), "teacher_ids": torch.as_tensor(rows["ids"]),
