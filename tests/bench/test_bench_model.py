@@ -75,3 +75,18 @@ def test_unknown_device_profile_is_one_clear_line(capsys):
 
     assert main(["bench", "model", "--device", "b200"]) == 2
     assert "expected one of ['h200']" in capsys.readouterr().err
+
+
+def test_another_device_from_its_rates(tmp_path):
+    """--gemm-tflops / --bandwidth-tbs: twice the H200's rates halve the GEMMs' predicted time (launches stay)."""
+    from topkd.cli import main
+
+    args = ["bench", "model", "--lengths", "65536", "--vocab", "8192", "--hidden", "1024", "--impls", "fused"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    assert main(args + ["--device", "fast", "--gemm-tflops", "1580", "--bandwidth-tbs", "8.6",
+                        "--out", str(tmp_path / "b")]) == 0
+    a, b = (json.loads((tmp_path / d / "model.json").read_text()) for d in "ab")
+    assert b["profile"]["name"] == "fast"
+    gemm = [s["points"][0]["by_kind"]["gemm"] for s in (a, b)]
+    assert gemm[1] == pytest.approx(gemm[0] / 2, rel=0.01)  # a few tiny GEMMs sit at the launch floor
+    assert b["points"][0]["predicted_s"] < a["points"][0]["predicted_s"]

@@ -16,6 +16,7 @@ three-GEMM floor (6NVH at the GEMM rate), and the peak memory of the trace at fu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import time
@@ -152,6 +153,8 @@ class ModelBenchConfig:
     k: int = 100
     dtype: str = ""
     device: str = "h200"
+    gemm_tflops: float = 0.0
+    bandwidth_tbs: float = 0.0
     calibrate: bool = False
     out: str = ""
 
@@ -164,7 +167,9 @@ MODEL_BENCH_HELP = {
     "hidden": "hidden size (default: 2880; with --calibrate 512)",
     "k": "teacher top-K",
     "dtype": "input dtype (default: bfloat16; with --calibrate float32)",
-    "device": "device profile to predict for: h200",
+    "device": "device profile to predict for: h200 (or any name, with --gemm-tflops and --bandwidth-tbs)",
+    "gemm_tflops": "another device: its dense bf16 GEMM rate in TFLOP/s (fp32 GEMMs at half); 0: the profile's",
+    "bandwidth_tbs": "another device: its memory bandwidth in TB/s; 0: the profile's",
     "calibrate": "measure this CPU's profile and compare the model with `bench loss` here, every impl",
     "out": "output directory (default: benchmarks/results/model-DEVICE or model-cpu-calibration)",
 }
@@ -179,10 +184,24 @@ def with_defaults(cfg: ModelBenchConfig) -> ModelBenchConfig:
     predict_out = f"benchmarks/results/model-{cfg.device}"
     base = CALIBRATE_DEFAULTS if cfg.calibrate else {**PREDICT_DEFAULTS, "out": predict_out}
     values = {k: v for k, v in vars(cfg).items() if v not in ([], 0, "")}
-    if not cfg.calibrate and cfg.device not in PROFILES:
-        raise ValueError(f"--device: expected one of {sorted(PROFILES)}, got {cfg.device!r}; add a DeviceProfile "
-                         "to topkd.bench.model.PROFILES for another machine")
+    if not cfg.calibrate and cfg.device not in PROFILES and not (cfg.gemm_tflops > 0 and cfg.bandwidth_tbs > 0):
+        raise ValueError(f"--device: expected one of {sorted(PROFILES)}, got {cfg.device!r}; for another machine "
+                         "pass its --gemm-tflops and --bandwidth-tbs too (or add a DeviceProfile to PROFILES)")
     return ModelBenchConfig(**{**base, **values})
+
+
+def profile_for(cfg: ModelBenchConfig) -> DeviceProfile:
+    """The named profile, with the rates given on the command line in place of its own (an unnamed device
+    starts from the H200's launch cost and cache size)."""
+    base = PROFILES.get(cfg.device, H200)
+    if not (cfg.gemm_tflops or cfg.bandwidth_tbs):
+        return base
+    bf16 = cfg.gemm_tflops * 1e12 if cfg.gemm_tflops else base.gemm_flops["bfloat16"]
+    return dataclasses.replace(base, name=cfg.device, bandwidth=cfg.bandwidth_tbs * 1e12 or base.bandwidth,
+                               gemm_flops={"bfloat16": bf16, "float16": bf16, "float32": bf16 / 2,
+                                           "float64": base.gemm_flops["float64"]},
+                               note=f"given on the command line: {bf16 / 1e12:g} TFLOP/s bf16, "
+                                    f"{(cfg.bandwidth_tbs * 1e12 or base.bandwidth) / 1e12:g} TB/s")
 
 
 def predict_points(cfg: ModelBenchConfig) -> list[dict]:
@@ -192,7 +211,7 @@ def predict_points(cfg: ModelBenchConfig) -> list[dict]:
         for impl in cfg.impls:
             try:
                 rows.append(point(impl, n, cfg.vocab, cfg.hidden, cfg.k, getattr(torch, cfg.dtype),
-                                  PROFILES[cfg.device]))
+                                  profile_for(cfg)))
             except (ValueError, ImportError) as e:
                 rows.append({"impl": impl, "tokens": n, "error": str(e)[:200]})
     return rows
@@ -248,7 +267,7 @@ def run_model_bench(cfg: ModelBenchConfig) -> dict:
     else:
         rows = predict_points(cfg)
         print(table(rows))
-        summary = {"bench": "model", "config": vars(cfg), "profile": {**vars(PROFILES[cfg.device])},
+        summary = {"bench": "model", "config": vars(cfg), "profile": {**vars(profile_for(cfg))},
                    "points": rows, "targets": targets(rows)}
         name = "model"
         _plot_predictions(rows, cfg, os.path.join(cfg.out, "model.png"))
