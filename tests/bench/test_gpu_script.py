@@ -58,3 +58,5 @@ def test_json_lines_record_a_timeout_or_a_crash_and_skip_the_rest():
     crash = "import json; print(json.dumps({'status': 'ok'}), flush=True); raise SystemExit('boom')"
     rows = run_json_lines([sys.executable, "-c", crash], ["a", "b"], 30.0, dict(os.environ))
     assert rows["a"]["status"] == "ok" and rows["b"] == {"status": "error", "error": ["boom"]}
+    chatty = "import json, sys; sys.stderr.write('x' * 2**20 + '\\nlast\\n'); print(json.dumps({'status': 'ok'}))"
+    assert run_json_lines([sys.executable, "-c", chatty], ["a"], 30.0, dict(os.environ)) == {"a": {"status": "ok"}}

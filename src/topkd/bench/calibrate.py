@@ -46,7 +46,7 @@ def measure_profile(gemm_shapes: list[tuple]) -> DeviceProfile:
                  "index": _per_element(lambda: z.scatter_(1, ids, 0.0), ids.numel(), overhead)}
     element_s["kernel"] = element_s["elementwise"]
     shapes = {s: _gemm_rate(*s) for s in gemm_shapes}
-    return DeviceProfile(name="cpu (measured)", gemm_flops={"float32": statistics_rate(shapes)},
+    return DeviceProfile(name="cpu (measured)", gemm_flops={"float32": _best_rate(shapes)},
                          bandwidth=bandwidth, op_overhead_s=overhead, element_s=element_s,
                          cache_bytes=4 * 2**20, launch_overlaps=False, gemm_shapes=shapes,
                          fault_s_per_byte=fault,
@@ -64,7 +64,8 @@ def _memory_rates() -> tuple[float, float]:
     return bandwidth, max(fresh - warm_fill, 0.0) / (big.numel() * 4)
 
 
-def statistics_rate(shapes: dict) -> float:
+def _best_rate(shapes: dict) -> float:
+    """The profile's fallback GEMM rate: the best measured shape's (1e11 when none was traced)."""
     return max(shapes.values()) if shapes else 1e11
 
 

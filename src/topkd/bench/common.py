@@ -4,49 +4,50 @@ from __future__ import annotations
 import json
 import selectors
 import subprocess
+import tempfile
 import time
 
 
-def run_json_process(cmd: list[str], timeout_s: int, env: dict) -> dict:
-    """Run one measurement process and return its last JSON line; a kill (OOM killer) or a timeout is a
-    result ({"status": "oom" | "timeout" | "error"}), never an exception."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    killed = proc.returncode < 0 or proc.returncode == 137
-    return {"status": "oom" if killed else "error", "error": proc.stderr.strip().splitlines()[-1:]}
+def run_json_process(cmd: list[str], timeout_s: float, env: dict) -> dict:
+    """Run one measurement process and return its JSON line; a kill (OOM killer) or a timeout is a result
+    ({"status": "oom" | "timeout" | "error"}), never an exception."""
+    return run_json_lines(cmd, ["row"], timeout_s, env)["row"]
 
 
 def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict) -> dict:
     """Run a process that prints one JSON line per key (in order) and return {key: row}; each line must come
     within timeout_s of the previous one. A key without its line (timeout, crash, OOM kill) gets a row saying
-    which, and the keys after it are marked skipped: one failing point never stops the others' processes."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    rows, pending = {}, list(keys)
+    which, and the keys after it are marked skipped: one failing point never stops the others' processes.
+    stderr goes to a temporary file, so a chatty process never blocks on a full pipe."""
+    with tempfile.TemporaryFile(mode="w+") as err_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
+        rows = _read_rows(proc, list(keys), timeout_s)
+        pending = [k for k in keys if k not in rows]
+        if pending:
+            timed_out = proc.poll() is None
+            proc.kill()
+            code = proc.wait()
+            err_file.seek(0)
+            status = "timeout" if timed_out else "oom" if code < 0 or code == 137 else "error"
+            rows[pending[0]] = {"status": status, "error": err_file.read().strip().splitlines()[-1:]}
+            rows.update({k: {"status": "skipped", "error": f"after {status} at {pending[0]}"} for k in pending[1:]})
+        proc.wait()
+    return rows
+
+
+def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float) -> dict:
+    """{key: row} for the JSON lines proc prints in time, in key order."""
+    rows = {}
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                break
+        while len(rows) < len(keys) and sel.select(timeout=max(0.0, deadline - time.monotonic())):
             line = proc.stdout.readline()
             if not line:  # the process ended
                 break
             if line.startswith("{"):
-                rows[pending.pop(0)] = json.loads(line)
+                rows[keys[len(rows)]] = json.loads(line)
                 deadline = time.monotonic() + timeout_s
-    if pending:
-        timed_out = proc.poll() is None
-        proc.kill()
-        err = (proc.stderr.read() or "").strip().splitlines()[-1:]
-        status = "timeout" if timed_out else "oom" if proc.wait() in (-9, 137) else "error"
-        rows[pending[0]] = {"status": status, "error": err}
-        rows.update({k: {"status": "skipped", "error": f"after {status} at {pending[0]}"} for k in pending[1:]})
-    proc.wait()
     return rows
 
 

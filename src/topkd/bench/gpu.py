@@ -27,6 +27,7 @@ import torch
 
 import topkd
 from topkd.bench.common import run_json_lines
+from topkd.bench.model import fused_kernels
 from topkd.bench.point import teacher_rows
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd", "tvd")
@@ -43,7 +44,7 @@ SMOKE = dict(device="cpu", vocab=1031, hidden=64, lengths=[257, 1024], dense_max
 def _loss_and_grads(x0, w0, dtype, rows, impl, divergence):
     x, w = (t.detach().to(dtype, copy=True).requires_grad_() for t in (x0, w0))  # fresh leaves per call
     loss = topkd.fused_linear_kd(x, w, rows["ids"], rows["logprobs"], mask=rows["mask"], labels=rows["labels"],
-                                 ce_weight=0.1, divergence=divergence, impl=impl.split(":")[0])
+                                 ce_weight=0.1, divergence=divergence, impl=impl)
     loss.backward()
     return [loss.detach().float(), x.grad.float(), w.grad.float()]
 
@@ -60,8 +61,8 @@ def check_impls(device: str, n: int, vocab: int, hidden: int, k: int = 100) -> l
         want = _loss_and_grads(x0, w0, torch.float32, rows, "dense", divergence)
         for impl in IMPLS:
             try:
-                with _kernels(impl):
-                    got = _loss_and_grads(x0, w0, torch.bfloat16, rows, impl, divergence)
+                with fused_kernels(impl) as name:
+                    got = _loss_and_grads(x0, w0, torch.bfloat16, rows, name, divergence)
             except Exception as e:  # a broken impl is a result; the others still run
                 out.append({"impl": impl, "divergence": divergence, "pass": False, "error": str(e)[:300]})
                 continue
@@ -70,23 +71,6 @@ def check_impls(device: str, n: int, vocab: int, hidden: int, k: int = 100) -> l
             out.append({"impl": impl, "divergence": divergence, **errs,
                         "pass": all(e <= BF16_TOLERANCE for e in errs.values())})
     return out
-
-
-class _kernels:
-    """impl "fused:torch": the fused driver with its torch kernels (TOPKD_FUSED_KERNELS=torch) for the call."""
-
-    def __init__(self, impl: str):
-        self.value = impl.partition(":")[2]
-
-    def __enter__(self):
-        self.old = os.environ.get("TOPKD_FUSED_KERNELS")
-        if self.value:
-            os.environ["TOPKD_FUSED_KERNELS"] = self.value
-
-    def __exit__(self, *exc):
-        os.environ.pop("TOPKD_FUSED_KERNELS", None)
-        if self.old is not None:
-            os.environ["TOPKD_FUSED_KERNELS"] = self.old
 
 
 def gemm_rate(device: str, n: int, vocab: int, hidden: int, dtype=torch.bfloat16) -> dict:

@@ -95,10 +95,11 @@ def make_inputs(n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, dev
 def trace_impl(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, device: str = "meta"):
     """(ops, peak bytes including the inputs) of one forward+backward of impl at these shapes.
     "fused:torch" is impl="fused" with its torch kernels (the reference) where it would pick Triton."""
-    impl, _, kernels = impl.partition(":")
-    if kernels:
-        with _env(KERNELS_ENV, kernels):
-            return trace_impl(impl, n, vocab, hidden, k, dtype, device)
+    with fused_kernels(impl) as impl:
+        return _trace(impl, n, vocab, hidden, k, dtype, device)
+
+
+def _trace(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, device: str):
     inputs = make_inputs(n, vocab, hidden, k, dtype, device)
     input_bytes = sum(t.numel() * t.element_size() for t in inputs.values())
     call = lambda: topkd.fused_linear_kd(inputs["x"], inputs["w"], inputs["ids"], inputs["logprobs"],  # noqa: E731
@@ -125,13 +126,17 @@ def point(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
+def fused_kernels(impl: str):
+    """Benchmarks name "fused:torch" for impl="fused" forced to its torch kernels (TOPKD_FUSED_KERNELS=torch):
+    sets that for the block and yields the impl to call ("fused"); a plain name passes through."""
+    name, _, kernels = impl.partition(":")
+    old = os.environ.get(KERNELS_ENV)
+    if kernels:
+        os.environ[KERNELS_ENV] = kernels
     try:
-        yield
+        yield name
     finally:
-        os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
+        os.environ.pop(KERNELS_ENV, None) if old is None else os.environ.__setitem__(KERNELS_ENV, old)
 
 
 def timed_median(fn, repeats: int = 3) -> float:

@@ -155,9 +155,7 @@ def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_l
                          row_index, k)
     validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, options.tail,
                           float(options.temperature))
-    spec = LossSpec(options.divergence, options.tail, float(options.temperature), float(options.beta),
-                    float(options.ce_weight), full_support=(k == vocab),
-                    softcap=None if options.softcap is None else float(options.softcap))
+    spec = LossSpec(**options.kwargs(), full_support=(k == vocab))
     chunk = options.chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
                                              hidden.device.type)
     return x, row_index, rows, spec, chunk

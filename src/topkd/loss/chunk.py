@@ -24,20 +24,15 @@ import torch
 from torch import Tensor
 
 from topkd.loss.divergences import DIVERGENCES, make_buckets, teacher_buckets
+from topkd.loss.options import LossOptions
 from topkd.tiles import row_blocks
 
 
 @dataclass(frozen=True)
-class LossSpec:
-    """Everything about the loss that is not a tensor."""
+class LossSpec(LossOptions):
+    """The options as the chunk math sees them: LossOptions plus what the call's tensors decide."""
 
-    divergence: str = "kl"
-    tail: str = "bucket"
-    temperature: float = 1.0
-    beta: float = 0.5
-    ce_weight: float = 0.0
     full_support: bool = False  # K == V: the teacher tail is exactly zero
-    softcap: float | None = None  # the drivers cap the logits (c tanh(z / c)) before the chunk math sees them
 
 
 @dataclass(frozen=True)

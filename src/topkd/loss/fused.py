@@ -33,12 +33,11 @@ def chunk_rows(vocab: int, dtype: torch.dtype, spec: LossSpec, has_labels: bool,
     """Rows per chunk so the chunk's [C, V] buffers fit the device's budget (CPU 256 MiB, GPU 1 GiB): the fp32
     logits (two with CE at T != 1) and, for bf16/fp16 inputs, the low-precision dL/dz the GEMMs read (plus,
     on a CPU, the GEMM's low-precision output). On a GPU rows are a multiple of 128."""
-    cdt = compute_dtype(dtype)
+    cdt, cpu = compute_dtype(dtype), device_type == "cpu"
     buffers = (2 if (has_labels and spec.temperature != 1.0) else 1) + (1 if spec.softcap else 0)
     per_row = vocab * buffers * torch.finfo(cdt).bits // 8
     if dtype != cdt:
-        per_row += (1 if device_type != "cpu" else 2) * vocab * torch.finfo(dtype).bits // 8
-    cpu = device_type == "cpu"
+        per_row += (2 if cpu else 1) * vocab * torch.finfo(dtype).bits // 8
     rows = max(1, (budget_bytes or (DEFAULT_CHUNK_BYTES if cpu else GPU_CHUNK_BYTES)) // per_row)
     return rows if cpu or rows < GPU_ROW_MULTIPLE else rows - rows % GPU_ROW_MULTIPLE
 

@@ -5,7 +5,8 @@
     fused_linear_kd(hidden, weight, ids, logprobs, teacher_logz=c_T, **options.kwargs())
 
 fused_linear_kd builds one from its keyword arguments; KDLoss holds one; `topkd train` builds one from
-its flags (TrainConfig.loss_options()) and asks it which cache columns and labels the loss needs.
+its flags (train.config.loss_options) and asks it which cache columns and labels the loss needs. The chunk
+math's LossSpec (topkd/loss/chunk.py) is these options plus what the call's tensors decide.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class LossOptions:
         validate.check_names(self.divergence, self.tail, self.impl, self.reduction)
         validate.check_numbers(self.temperature, self.beta, self.ce_weight, self.divergence, self.chunk_size)
         validate.check_softcap(self.softcap)
+        for name in ("temperature", "beta", "ce_weight") + (("softcap",) if self.softcap is not None else ()):
+            object.__setattr__(self, name, float(getattr(self, name)))  # ints and numpy scalars: plain floats
 
     @property
     def needs_logz(self) -> bool:
