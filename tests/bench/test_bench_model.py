@@ -47,7 +47,7 @@ def test_gpu_chunk_rows_amortise_the_weight_and_fit_the_budget():
     assert chunk_rows(201088, torch.bfloat16, LossSpec(), False, "cpu") == 2**28 // (201088 * 8)
 
 
-def test_predicted_h200_targets_at_small_scale():
+def test_predicted_h200_shape_at_small_scale():
     """The shape of the issue's claims at a scale CI can trace: fused beats chunked, GEMMs dominate."""
     rows = [model.point(impl, 8192, 201088, 2880, 100, torch.bfloat16, model.H200)
             for impl in ("fused", "fused:torch", "chunked")]
@@ -55,7 +55,6 @@ def test_predicted_h200_targets_at_small_scale():
     assert fused["predicted_s"] < torch_kernels["predicted_s"] < chunked["predicted_s"]
     assert fused["over_floor"] < 1 / 0.75
     assert max(fused["by_kind"], key=fused["by_kind"].get) == "gemm"
-    assert {t["target"] for t in model.targets(rows)} >= {"fused faster than chunked"}
 
 
 def test_cli_writes_predictions(tmp_path):

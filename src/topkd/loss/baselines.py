@@ -17,7 +17,7 @@ from torch import Tensor
 
 from topkd.loss.chunk import LossSpec, TeacherRows, chunk_step
 from topkd.loss.divergences import DIVERGENCES, make_buckets, teacher_buckets
-from topkd.loss.fused import _reduce, compute_dtype, is_one, token_weights
+from topkd.loss.fused import compute_dtype, is_one, reduce_per_token, token_weights
 
 
 class _ChunkedOnLogits(torch.autograd.Function):
@@ -35,7 +35,7 @@ class _ChunkedOnLogits(torch.autograd.Function):
             ctx.save_for_backward(logits)
         else:
             ctx.dlogits = dlogits
-        return _reduce(kd_tok, ce_tok, rows, spec, reduction)
+        return reduce_per_token(kd_tok, ce_tok, rows, spec, reduction)
 
     @staticmethod
     def backward(ctx, go):
@@ -105,4 +105,4 @@ def dense_linear_kd(x: Tensor, weight: Tensor, bias: Tensor | None, rows: Teache
     ce = None
     if rows.labels is not None:
         ce = F.cross_entropy(logits, rows.labels.long(), ignore_index=-100, reduction="none")
-    return _reduce(kd, ce, rows, spec, reduction)
+    return reduce_per_token(kd, ce, rows, spec, reduction)

@@ -149,7 +149,9 @@ def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index,
         grads.bias.add_(dz.sum(dim=0, dtype=grads.bias.dtype))
 
 
-def _reduce(kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, spec: LossSpec, reduction: str) -> Tensor:
+def reduce_per_token(kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, spec: LossSpec,
+                     reduction: str) -> Tensor:
+    """Per-token KD (and CE) losses to the loss the caller asked for: mean over counted tokens, sum, or none."""
     if reduction == "none":
         return kd_tok if ce_tok is None else kd_tok + spec.ce_weight * ce_tok
     kd_w, ce_w = token_weights(rows, spec, reduction, kd_tok.dtype)
@@ -175,7 +177,7 @@ class FusedLinearKD(torch.autograd.Function):
             ctx.rows, ctx.spec, ctx.chunk = rows, spec, chunk
         elif grad_now:
             ctx.grads = grads
-        return _reduce(kd_tok, ce_tok, rows, spec, reduction)
+        return reduce_per_token(kd_tok, ce_tok, rows, spec, reduction)
 
     @staticmethod
     def backward(ctx, go):

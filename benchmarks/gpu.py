@@ -1,7 +1,7 @@
 """Every GPU check and benchmark in one call (benchmarks/gpu.sh): measured beside the cost model's prediction.
 
-    python -m topkd.bench.gpu --out runs/gpu            # on the H200: <= 5 min after start
-    python -m topkd.bench.gpu --out runs/gpu --smoke    # the same steps on a CPU at toy sizes (CI)
+    python -m benchmarks.gpu --out runs/gpu            # on the H200 (from the repository root): <= 5 min
+    python -m benchmarks.gpu --out runs/gpu --smoke    # the same steps on a CPU at toy sizes (a slow test)
 
 1. check: every KD impl in bf16 (odd N, 10% masked, CE mixed in, every divergence) against the fp32 dense
    loss on the same bf16-rounded inputs (relative L2 of loss, dX, dW; PASS <= 2e-2); the bf16 GEMM rate.
@@ -10,7 +10,7 @@
    a failing impl recorded and the run goes on; the prediction of `topkd bench model` beside each point.
 3. train: one training step (topkd.train.loop.train_step, bf16 mixed precision) of random Llama-3.2-1B- and
    3B-shaped students at 8K tokens with fused / chunked / dense: peak memory and model TFLOP/s.
-4. targets: issue 14's, judged on the measurements.
+4. targets: issue 14's, judged on the measurements by benchmarks/targets.py.
 Files under --out (at most 8 with gpu.sh's log.txt): report.txt, check.json, loss.json, loss.png, train.json,
 targets.json.
 """
@@ -26,6 +26,7 @@ import time
 import torch
 
 import topkd
+from benchmarks.targets import judge_gpu
 from topkd.bench.common import run_json_lines
 from topkd.bench.model import fused_kernels
 from topkd.bench.point import teacher_rows
@@ -146,30 +147,6 @@ def train_sweep(s: dict) -> list[dict]:
     return rows
 
 
-def judge(loss_rows: list[dict], check: dict) -> list[dict]:
-    """Issue 14's targets from the measured points."""
-    ok = {(r["impl"], r["tokens"]): r for r in loss_rows if r.get("status") == "ok"}
-    out = [{"target": "every impl within bf16 tolerance of the fp32 reference",
-            "pass": all(c["pass"] for c in check["impls"])}]
-    for n, limit in ((32768, 5.0), (262144, 11.0)):
-        fused = ok.get(("fused", n))
-        gib = None if fused is None else fused["peak_bytes"] / 2**30
-        out.append({"target": f"fused peak <= {limit} GiB at {n} tokens", "value": gib,
-                    "pass": gib is not None and gib <= limit})
-    rate = check["gemm"]["tflops"]
-    for n in sorted({r["tokens"] for r in loss_rows}):
-        fused, chunked = ok.get(("fused", n)), ok.get(("chunked", n))
-        if fused is None:
-            continue
-        achieved = fused["flops"] / fused["time_s"] / 1e12
-        out.append({"target": f"fused >= 75% of the bf16 GEMM rate ({rate:.0f} TFLOP/s) at {n}",
-                    "value": achieved / rate, "pass": achieved >= 0.75 * rate})
-        if chunked:
-            out.append({"target": f"fused faster than chunked at {n}", "value": chunked["time_s"] / fused["time_s"],
-                        "pass": fused["time_s"] < chunked["time_s"]})
-    return out
-
-
 def report(device: str, check: dict, loss_rows: list[dict], train_rows: list[dict], targets: list[dict]) -> str:
     lines = [f"device: {device}; torch {torch.__version__}; topkd commit {_commit()}", "", "check (bf16 vs fp32):"]
     for c in check["impls"]:
@@ -192,8 +169,8 @@ def report(device: str, check: dict, loss_rows: list[dict], train_rows: list[dic
                   if r.get("status") == "ok" else r.get("error", ""))
         lines.append(f"  {r['shape']:<10} {r['impl']:<8} {r.get('status', '?'):>7}  {detail}")
     lines += ["", "targets (measured):"]
-    lines += [f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}" + (f"  {t['value']:.3f}" if t.get("value")
-                                                                           is not None else "") for t in targets]
+    lines += [f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}" + (f" at {t['tokens']}" if t["tokens"] else "")
+              + (f"  {t['value']:.3f}" if t["value"] is not None else "") for t in targets]
     return "\n".join(lines)
 
 
@@ -223,11 +200,11 @@ def run(out: str, smoke: bool) -> dict:
     _dump(out, "check.json", check)
     loss_rows = loss_sweep(s)
     add_predictions(loss_rows, s, "benchmarks/results/model-h200/model.json")
-    _dump(out, "loss.json", {"settings": s, "points": loss_rows})
+    _dump(out, "loss.json", {"bench": "gpu", "settings": s, "points": loss_rows})
     plot(loss_rows, os.path.join(out, "loss.png"), f"KD loss on {device}, V={s['vocab']} H={s['hidden']} bf16")
     train_rows = train_sweep(s)
     _dump(out, "train.json", {"settings": s, "points": train_rows})
-    targets = judge(loss_rows, check)
+    targets = judge_gpu({"points": loss_rows}, out)
     _dump(out, "targets.json", targets)
     text = report(device, check, loss_rows, train_rows, targets)
     with open(os.path.join(out, "report.txt"), "w") as f:
