@@ -157,3 +157,18 @@ def test_a_full_disk_mid_build_is_one_line_and_the_rerun_completes(teacher_dir, 
     assert topkd_cli(*_build_args(teacher_dir, long_text, tmp_path / "ref")[:-1] + ["8"],
                      "--max-sequences", "40").returncode == 0
     assert _digests(out) == _digests(tmp_path / "ref")
+
+
+def test_every_command_declares_its_flags_one_way():
+    """One table of commands; every flag of every command is a field of its config dataclass with a help line."""
+    import dataclasses
+
+    from topkd.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    for cmd in COMMANDS:
+        assert set(cmd.flag_help) == {f.name for f in dataclasses.fields(cmd.config)}, cmd.words
+        args = parser.parse_args([*cmd.words] + (["x"] if cmd.words[-1] in ("verify", "inspect") else []))
+        assert args.which is cmd
+    args = parser.parse_args(["cache", "inspect", "runs/c", "--plot", "m.png"])
+    assert (args.path, args.plot) == ("runs/c", "m.png")

@@ -17,36 +17,63 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_bench
-from topkd.bench.loss import LossBenchConfig, run_loss_bench
+from topkd.bench.loss import LOSS_BENCH_HELP, LossBenchConfig, run_loss_bench
 from topkd.bench.model import MODEL_BENCH_HELP, ModelBenchConfig, run_model_bench
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
-from topkd.cache.inspect import inspect_cache, verify_cache
-from topkd.demo import DEMO_HELP, DemoConfig
-from topkd.eval.run import EVAL_HELP, EvalConfig
+from topkd.cache.inspect import INSPECT_HELP, VERIFY_HELP, InspectConfig, VerifyConfig, inspect_cache, verify_cache
+from topkd.demo import DEMO_HELP, DemoConfig, run_demo
+from topkd.eval.run import EVAL_HELP, EvalConfig, run_eval
 from topkd.signals import Interrupted, signals_raise
+from topkd.train import train
 from topkd.train.config import TRAIN_HELP, TrainConfig
 
-BENCH_HELP = {
-    "lengths": "comma-separated token counts (sequence lengths) to sweep",
-    "impls": "comma-separated impls: fused, chunked, dense, liger_jsd, torch_lce",
-    "vocab": "vocabulary size V (paper: 201088)",
-    "hidden": "hidden size H (paper: 2880)",
-    "k": "teacher top-K per token",
-    "dtype": "float32 | bfloat16 | float16",
-    "device": "cpu | cuda",
-    "repeats": "timed runs per point (median), after one measured warm run",
-    "mem_limit_gib": "CPU address-space cap per point, so OOM is a clean result (0: none)",
-    "timeout_s": "seconds before a point is recorded as a timeout",
-    "out": "output directory for loss.csv, loss.json, loss.png",
-    "no_huge_pages": "time without THP_MEM_ALLOC_ENABLE=1 (torch huge-page CPU allocator; memory never uses it)",
-    "report_only": "re-print the table of the run stored in --out, measuring nothing",
-}
 # list flags that take space-separated values (shell globs); others are comma-separated
 MANY_VALUES = {"data", "text", "choices"}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its words, its config dataclass (one flag per field) with a help per field, its runner."""
+    words: tuple[str, ...]
+    help: str
+    config: type
+    flag_help: dict
+    run: Callable[[Any], Any]  # an int result is the exit status (verify); anything else means 0
+
+
+def _run_inspect(cfg: InspectConfig) -> None:
+    inspect_cache(cfg.path, plot=cfg.plot or None)
+
+
+COMMANDS = (
+    Command(("cache", "build"), "run the teacher once and write its top-K cache", CacheBuildConfig, BUILD_HELP,
+            build),
+    Command(("cache", "verify"), "check every shard's size and sha256", VerifyConfig, VERIFY_HELP,
+            lambda cfg: verify_cache(cfg.path)),
+    Command(("cache", "inspect"), "fingerprint, totals, bytes/token, top-K mass histogram", InspectConfig,
+            INSPECT_HELP, _run_inspect),
+    Command(("train",), "train a student against a top-K cache (or an online teacher)", TrainConfig, TRAIN_HELP,
+            train),
+    Command(("eval",), "score a model: text bits/byte, KL to a teacher cache, multiple choice", EvalConfig,
+            EVAL_HELP, run_eval),
+    Command(("demo",), "the whole pipeline on SmolLM2 + Shakespeare, one directory", DemoConfig, DEMO_HELP,
+            run_demo),
+    Command(("bench", "loss"), "projection-only KD loss: memory and time vs sequence length", LossBenchConfig,
+            LOSS_BENCH_HELP, run_loss_bench),
+    Command(("bench", "cache"), "cache bytes/token, decode fidelity, build overhead", CacheBenchConfig,
+            CACHE_BENCH_HELP, run_cache_bench),
+    Command(("bench", "train"), "training step memory and time per loss impl; cache loading", TrainBenchConfig,
+            TRAIN_BENCH_HELP, run_train_bench),
+    Command(("bench", "model"), "cost model: predicted time, TFLOP/s and peak memory per impl on a named device; "
+            "--calibrate against bench loss here", ModelBenchConfig, MODEL_BENCH_HELP, run_model_bench),
+)
+GROUPS = {"cache": "teacher top-K cache: build, verify, inspect", "bench": "benchmarks that record ratios measured "
+          "in one run"}
 
 
 def _list_of(kind):
@@ -54,22 +81,23 @@ def _list_of(kind):
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> None:
-    """One flag per dataclass field, same name (dashes), same default."""
+    """One flag per dataclass field, same name (dashes), same default; a field marked positional is an argument."""
     default = cls()
     for f in fields(cls):
         value = getattr(default, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, help=helps[f.name])
+        elif isinstance(value, bool):
             parser.add_argument(flag, dest=f.name, action="store_true", help=helps[f.name])
-            continue
-        if f.name in MANY_VALUES:
+        elif f.name in MANY_VALUES:
             parser.add_argument(flag, dest=f.name, nargs="+", default=value, help=helps[f.name])
-            continue
-        item = {"list[int]": int, "list[float]": float}.get(str(f.type), str)
-        kind = _list_of(item) if isinstance(value, list) else type(value)
-        shown = ",".join(map(str, value)) if isinstance(value, list) else value
-        parser.add_argument(flag, dest=f.name, type=kind, default=value,
-                            help=f"{helps[f.name]} (default: {shown})")
+        else:
+            item = {"list[int]": int, "list[float]": float}.get(str(f.type), str)
+            kind = _list_of(item) if isinstance(value, list) else type(value)
+            shown = ",".join(map(str, value)) if isinstance(value, list) else value
+            parser.add_argument(flag, dest=f.name, type=kind, default=value,
+                                help=f"{helps[f.name]} (default: {shown})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,36 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="--debug anywhere on the line: a traceback instead of a one-line error")
     parser.add_argument("--version", action="version", version=f"topkd {topkd.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    cache = sub.add_parser("cache", help="teacher top-K cache: build, verify, inspect")
-    cache_sub = cache.add_subparsers(dest="cache", required=True)
-    add_dataclass_flags(cache_sub.add_parser("build", help="run the teacher once and write its top-K cache"),
-                        CacheBuildConfig, BUILD_HELP)
-    verify = cache_sub.add_parser("verify", help="check every shard's size and sha256")
-    verify.add_argument("path")
-    inspect = cache_sub.add_parser("inspect", help="fingerprint, totals, bytes/token, top-K mass histogram")
-    inspect.add_argument("path")
-    inspect.add_argument("--plot", default="", help="also write the histogram as a PNG here")
-    add_dataclass_flags(sub.add_parser("train", help="train a student against a top-K cache"), TrainConfig, TRAIN_HELP)
-    add_dataclass_flags(sub.add_parser("eval", help="score a model: text bits/byte, KL to a teacher cache, "
-                                                    "multiple choice"), EvalConfig, EVAL_HELP)
-    add_dataclass_flags(sub.add_parser("demo", help="the whole pipeline on SmolLM2 + Shakespeare, one directory"),
-                        DemoConfig, DEMO_HELP)
-    bench = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    loss = bench_sub.add_parser("loss", help="projection-only KD loss: memory and time vs sequence length")
-    add_dataclass_flags(loss, LossBenchConfig, BENCH_HELP)
-    cache_bench = bench_sub.add_parser("cache", help="cache bytes/token, decode fidelity, build overhead")
-    add_dataclass_flags(cache_bench, CacheBenchConfig, CACHE_BENCH_HELP)
-    train_bench = bench_sub.add_parser("train", help="training step memory and time per loss impl; cache loading")
-    add_dataclass_flags(train_bench, TrainBenchConfig, TRAIN_BENCH_HELP)
-    model_bench = bench_sub.add_parser("model", help="cost model: predicted time, TFLOP/s and peak memory per impl "
-                                                     "on a named device; --calibrate against bench loss here")
-    add_dataclass_flags(model_bench, ModelBenchConfig, MODEL_BENCH_HELP)
+    groups = {}
+    for cmd in COMMANDS:
+        if len(cmd.words) == 1:
+            command = sub.add_parser(cmd.words[0], help=cmd.help)
+        else:
+            if cmd.words[0] not in groups:
+                group = sub.add_parser(cmd.words[0], help=GROUPS[cmd.words[0]])
+                groups[cmd.words[0]] = group.add_subparsers(dest="subcommand", required=True)
+            command = groups[cmd.words[0]].add_parser(cmd.words[1], help=cmd.help)
+        add_dataclass_flags(command, cmd.config, cmd.flag_help)
+        command.set_defaults(which=cmd)
     return parser
-
-
-def _config(cls, args):
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     args = build_parser().parse_args(argv)
-    sub = {"cache": getattr(args, "cache", None), "bench": getattr(args, "bench", None)}.get(args.command)
-    name = f"{args.command} {sub}" if sub else args.command
+    name = " ".join(args.which.words)
     try:
         with signals_raise():
             return run_command(args)
@@ -136,33 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args) -> int:
-    if args.command == "bench" and args.bench == "loss":
-        run_loss_bench(_config(LossBenchConfig, args))
-    elif args.command == "bench" and args.bench == "cache":
-        run_cache_bench(_config(CacheBenchConfig, args))
-    elif args.command == "bench" and args.bench == "train":
-        run_train_bench(_config(TrainBenchConfig, args))
-    elif args.command == "bench" and args.bench == "model":
-        run_model_bench(_config(ModelBenchConfig, args))
-    elif args.command == "demo":
-        from topkd.demo import run_demo
-
-        run_demo(_config(DemoConfig, args))
-    elif args.command == "eval":
-        from topkd.eval import run_eval
-
-        run_eval(_config(EvalConfig, args))
-    elif args.command == "train":
-        from topkd.train import train
-
-        train(_config(TrainConfig, args))
-    elif args.command == "cache" and args.cache == "build":
-        build(_config(CacheBuildConfig, args))
-    elif args.command == "cache" and args.cache == "verify":
-        return verify_cache(args.path)
-    elif args.command == "cache" and args.cache == "inspect":
-        inspect_cache(args.path, plot=args.plot or None)
-    return 0
+    cmd = args.which
+    status = cmd.run(cmd.config(**{f.name: getattr(args, f.name) for f in fields(cmd.config)}))
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

@@ -21,10 +21,17 @@ def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict) -> d
     stderr goes to a temporary file, so a chatty process never blocks on a full pipe."""
     with tempfile.TemporaryFile(mode="w+") as err_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
-        rows = _read_rows(proc, list(keys), timeout_s)
+        rows, ended = _read_rows(proc, list(keys), timeout_s)
         pending = [k for k in keys if k not in rows]
         if pending:
-            timed_out = proc.poll() is None
+            # EOF on stdout means it is exiting (poll() may not see that yet: judging by it called a crash a
+            # timeout under load); only a silent process past its deadline timed out
+            timed_out = not ended
+            if ended:
+                try:
+                    proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:  # closed stdout but kept running: as good as hung
+                    timed_out = True
             proc.kill()
             code = proc.wait()
             err_file.seek(0)
@@ -35,8 +42,8 @@ def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict) -> d
     return rows
 
 
-def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float) -> dict:
-    """{key: row} for the JSON lines proc prints in time, in key order."""
+def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float) -> tuple[dict, bool]:
+    """{key: row} for the JSON lines proc prints in time, in key order; and whether its stdout ended."""
     rows = {}
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -44,11 +51,11 @@ def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float) -> dict:
         while len(rows) < len(keys) and sel.select(timeout=max(0.0, deadline - time.monotonic())):
             line = proc.stdout.readline()
             if not line:  # the process ended
-                break
+                return rows, True
             if line.startswith("{"):
                 rows[keys[len(rows)]] = json.loads(line)
                 deadline = time.monotonic() + timeout_s
-    return rows
+    return rows, False
 
 
 def plot_vs_length(series: dict[str, tuple[list, list, list]], oom: dict[str, list[int]], ylabels: tuple[str, str],

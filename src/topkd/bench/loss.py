@@ -41,6 +41,23 @@ class LossBenchConfig:
     report_only: bool = False
 
 
+LOSS_BENCH_HELP = {
+    "lengths": "comma-separated token counts (sequence lengths) to sweep",
+    "impls": "comma-separated impls: fused, chunked, dense, liger_jsd, torch_lce",
+    "vocab": "vocabulary size V (paper: 201088)",
+    "hidden": "hidden size H (paper: 2880)",
+    "k": "teacher top-K per token",
+    "dtype": "float32 | bfloat16 | float16",
+    "device": "cpu | cuda",
+    "repeats": "timed runs per point (median), after one measured warm run",
+    "mem_limit_gib": "CPU address-space cap per point, so OOM is a clean result (0: none)",
+    "timeout_s": "seconds before a point is recorded as a timeout",
+    "out": "output directory for loss.csv, loss.json, loss.png",
+    "no_huge_pages": "time without THP_MEM_ALLOC_ENABLE=1 (torch huge-page CPU allocator; memory never uses it)",
+    "report_only": "re-print the table of the run stored in --out, measuring nothing",
+}
+
+
 def run_point(cfg: LossBenchConfig, impl: str, tokens: int) -> dict:
     """One point. With huge pages (default on CPU) memory and time come from two fresh processes:
     memory with the default 4 KiB pages (exact bytes), time with THP_MEM_ALLOC_ENABLE=1, so a

@@ -6,12 +6,31 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from topkd.cache.reader import TopKCache
 
 MASS_BINS = np.array([0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0])
+
+
+@dataclass
+class VerifyConfig:
+    path: str = field(default="", metadata={"positional": True})
+
+
+VERIFY_HELP = {"path": "cache directory (its manifest.json and shards)"}
+
+
+@dataclass
+class InspectConfig:
+    path: str = field(default="", metadata={"positional": True})
+    plot: str = ""
+
+
+INSPECT_HELP = {"path": "cache directory (its manifest.json and shards)",
+                "plot": "also write the retained-mass histogram as a PNG here"}
 
 
 def verify_cache(path: str) -> int:
