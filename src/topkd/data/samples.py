@@ -91,12 +91,16 @@ class SampleStream:
             self._decoded = (i, self.source[i])
         return self._decoded[1]
 
-    def sample(self, index: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    def item(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample `index` (global: epoch * per_epoch + position) unpadded, as topkd.data.TopKDataset gives it."""
         pieces = [self._piece(i, a, e) for i, a, e in self.locate(index)]
         out = {name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}
         starts = out.pop("doc_start").nonzero().squeeze(1).numpy() if self.packing != "cross" else [0]
         out["position_ids"] = torch.from_numpy(position_ids(len(out["input_ids"]), starts))
-        return _pad(out, pad_to or self.seq_len)
+        return out
+
+    def sample(self, index: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+        return _pad(self.item(index), pad_to or self.seq_len)
 
     def _piece(self, i: int, a: int, e: int) -> dict[str, torch.Tensor]:
         row = self._sequence(i)
@@ -108,10 +112,11 @@ class SampleStream:
             mask &= ids != self.separator  # the separator's row predicts the next document's first token
         labels = torch.full((e - a,), -100, dtype=torch.long)
         labels[:-1] = torch.where(mask[:-1], ids[1:], -100)
-        logz = row["logz"][a:e, self.logz_column] if self.logz_column is not None else torch.zeros(e - a)
-        return {"input_ids": ids, "teacher_ids": row["teacher_ids"][a:e],
-                "teacher_logprobs": row["teacher_logprobs"][a:e], "teacher_logz": logz, "mask": mask,
-                "labels": labels, "doc_start": doc_start}
+        piece = {"input_ids": ids, "labels": labels, "kd_mask": mask, "teacher_ids": row["teacher_ids"][a:e],
+                 "teacher_logprobs": row["teacher_logprobs"][a:e], "doc_start": doc_start}
+        if self.logz_column is not None:  # c_T for the loss's temperature, only where the loss needs it
+            piece["teacher_logz"] = row["logz"][a:e, self.logz_column]
+        return piece
 
     def forget_decoded(self) -> None:
         """Drop the one decoded sequence kept between samples (the next read decodes from the source again)."""
@@ -120,10 +125,7 @@ class SampleStream:
     def batch(self, first_sample: int, size: int) -> dict[str, torch.Tensor]:
         """Samples [first_sample, first_sample + size), padded to the longest of them (not to seq_len: a short
         last sample, or a cache of sequences shorter than --seq-len, costs no padded compute)."""
-        indices = range(first_sample, first_sample + size)
-        longest = max(sum(e - a for _, a, e in self.locate(i)) for i in indices)
-        samples = [self.sample(i, longest) for i in indices]
-        return {name: torch.stack([s[name] for s in samples]) for name in samples[0]}
+        return collate([self.item(i) for i in range(first_sample, first_sample + size)])
 
 
 def _document_pieces(starts: list[np.ndarray], lengths: list[int], seq_len: int) -> list[tuple[int, int, int]]:
@@ -136,6 +138,27 @@ def _document_pieces(starts: list[np.ndarray], lengths: list[int], seq_len: int)
     return pieces
 
 
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Samples (TopKDataset items) padded to the longest of them and stacked: [B, L(, K)] tensors."""
+    if not samples:
+        raise ValueError("collate: expected at least one sample, got an empty list")
+    longest = max(len(s["input_ids"]) for s in samples)
+    padded = [_pad(s, longest) for s in samples]
+    return {name: torch.stack([s[name] for s in padded]) for name in padded[0]}
+
+
+def temperature_column(source: SequenceSource, temperature: float | None) -> int | None:
+    """The source's column of c_T for a temperature (None: not needed). Refuses one the cache did not store."""
+    if temperature is None:
+        return None
+    temps = [float(t) for t in source.temperatures]
+    if float(temperature) not in temps:
+        raise ValueError(f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
+                         f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "
+                         "--tail renorm")
+    return temps.index(float(temperature))
+
+
 def _pad(sample: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tensor]:
     n = len(sample["input_ids"])
     if n == seq_len:
@@ -146,11 +169,11 @@ def _pad(sample: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tenso
         fill = -100 if name == "labels" else 0
         out[name] = torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
     out["position_ids"][n:] = torch.arange(pad) + (int(sample["position_ids"][-1]) + 1)
-    out["mask"][n:] = False  # padded rows are masked; distinct ids keep them well-formed anyway
+    out["kd_mask"][n:] = False  # padded rows are masked; distinct ids keep them well-formed anyway
     out["teacher_ids"][n:] = torch.arange(out["teacher_ids"].shape[1])
     out["teacher_logprobs"][n:] = -30.0
     return out
 
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int(batch["mask"].sum())
+    return int(batch["kd_mask"].sum())

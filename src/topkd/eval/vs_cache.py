@@ -41,7 +41,7 @@ def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0) -> dict:
     counted = 0
     for i in track(range(n), desc="eval vs cache", unit="seq"):
         sample = {k: v.to(weight.device) for k, v in stream.sample(i).items()}
-        mask = sample["mask"]
+        mask = sample["kd_mask"]
         if not mask.any():
             continue
         hidden = final_hidden(model, sample["input_ids"][None], sample["position_ids"][None])[0][mask]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from topkd.loss import gemm
+from topkd.loss import gemm, parts
 from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows, VocabShard, chunk_step
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # CPU: the chunk's buffers fit in L3-ish sizes; GEMMs are efficient at 2K rows
@@ -155,8 +155,10 @@ def reduce_per_token(kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, s
     if reduction == "none":
         return kd_tok if ce_tok is None else kd_tok + spec.ce_weight * ce_tok
     kd_w, ce_w = token_weights(rows, spec, reduction, kd_tok.dtype)
-    loss = (kd_tok * kd_w.to(kd_tok.dtype)).sum()
-    return loss if ce_tok is None else loss + (ce_tok * ce_w.to(ce_tok.dtype)).sum()
+    kd = (kd_tok * kd_w.to(kd_tok.dtype)).sum()
+    ce = None if ce_tok is None else (ce_tok * ce_w.to(ce_tok.dtype)).sum()  # ce_w holds ce_weight
+    parts.record(kd, ce / spec.ce_weight if ce is not None and spec.ce_weight else None)
+    return kd if ce is None else kd + ce
 
 
 class FusedLinearKD(torch.autograd.Function):

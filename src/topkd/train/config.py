@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from topkd import dist
 from topkd.checks import require_device, require_ints, require_path
-from topkd.data.samples import PACKINGS
+from topkd.data.samples import PACKINGS, temperature_column
 from topkd.files import write_json_atomic
 from topkd.loss.options import LossOptions
 
@@ -176,11 +176,4 @@ def loss_options(cfg: TrainConfig) -> LossOptions:
 
 def logz_column(source, options: LossOptions) -> int | None:
     """The source's column holding c_T for the loss's temperature; None when not needed. Refuses a missing one."""
-    if not options.needs_logz:
-        return None
-    temperature, temps = options.temperature, [float(t) for t in source.temperatures]
-    if temperature not in temps:
-        raise ValueError(f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
-                         f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "
-                         "--tail renorm")
-    return temps.index(temperature)
+    return temperature_column(source, options.temperature if options.needs_logz else None)

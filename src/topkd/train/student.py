@@ -19,7 +19,7 @@ from torch import nn
 from topkd.cache import TopKCache
 from topkd.loss import fused_linear_kd
 from topkd.loss.options import LossOptions
-from topkd.models import final_hidden, load_causal_lm
+from topkd.models import final_hidden, load_causal_lm, model_head
 
 
 @dataclass
@@ -83,18 +83,36 @@ class KDStudent(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = final_hidden(self.model, batch["input_ids"], batch["position_ids"])
-        head = self.model.get_output_embeddings()
-        low = self.head_dtype  # the casts' backward returns dW to the fp32 master weights
-        weight = head.weight[: self.teacher_vocab].to(low)  # padded student rows: no mass, no gradient
-        bias = None if getattr(head, "bias", None) is None else head.bias[: self.teacher_vocab].to(low)
-        opts = self.options
-        if self.objective == "ce":  # torch's fused linear + cross entropy
-            return torch.nn.functional.linear_cross_entropy(
-                hidden.to(low).reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1), linear_bias=bias,
-                reduction="sum", ignore_index=-100)
-        logz = batch["teacher_logz"] if opts.needs_logz else None
-        labels = batch["labels"] if opts.needs_labels else None
-        return fused_linear_kd(hidden.to(low), weight, batch["teacher_ids"][..., : self.top_k],
-                               batch["teacher_logprobs"][..., : self.top_k],
-                               mask=batch["mask"], teacher_logz=logz, labels=labels, bias=bias,
-                               **{**opts.kwargs(), "reduction": "sum"})
+        return batch_loss(self.model, hidden, batch, self.options, self.teacher_vocab, self.top_k or 0,
+                          self.head_dtype, self.objective)
+
+
+def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Tensor], options: LossOptions,
+               teacher_vocab: int | None = None, top_k: int = 0, head_dtype: torch.dtype = torch.float32,
+               objective: str = "kd") -> torch.Tensor:
+    """The summed KD (+ CE) loss of a batch's counted tokens from the student's final hidden states and its head
+    (topkd train's KDStudent and topkd.hf's trainer both end here). An FSDP2-sharded head weight (a DTensor) is
+    gathered with a gradient back to its shards; rows beyond the teacher's vocabulary are left out."""
+    weight, bias, softcap = model_head(model)
+    weight, bias = _gathered(weight), None if bias is None else _gathered(bias)
+    vocab = teacher_vocab or weight.shape[0]
+    weight = weight[:vocab].to(head_dtype)  # the casts' backward returns dW to the fp32 master weights
+    bias = None if bias is None else bias[:vocab].to(head_dtype)
+    if objective == "ce":  # torch's fused linear + cross entropy
+        return torch.nn.functional.linear_cross_entropy(
+            hidden.to(head_dtype).reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1),
+            linear_bias=bias, reduction="sum", ignore_index=-100)
+    opts = dataclasses.replace(options, softcap=softcap)
+    logz = batch["teacher_logz"] if opts.needs_logz else None
+    labels = batch["labels"] if opts.needs_labels else None
+    keep = top_k or None
+    return fused_linear_kd(hidden.to(head_dtype), weight, batch["teacher_ids"][..., :keep],
+                           batch["teacher_logprobs"][..., :keep], mask=batch["kd_mask"], teacher_logz=logz,
+                           labels=labels, bias=bias, **{**opts.kwargs(), "reduction": "sum"})
+
+
+def _gathered(param: torch.Tensor) -> torch.Tensor:
+    """A whole tensor: FSDP2 keeps sharded parameters as DTensors outside their module's forward."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param

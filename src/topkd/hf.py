@@ -1,0 +1,141 @@
+"""topkd.hf: distil inside Hugging Face Trainer or TRL's SFTTrainer, from a top-K cache, with the fused loss.
+
+    from topkd.cache import TopKCache
+    from topkd.data import TopKDataset
+    from topkd.hf import KDTrainer
+
+    trainer = KDTrainer(model=student, args=TrainingArguments(output_dir="runs/hf", ...),
+                        train_dataset=TopKDataset(TopKCache("runs/cache"), seq_len=2048),
+                        divergence="kl", tail="bucket", temperature=1.0, ce_weight=0.1)
+    trainer.train()
+
+    class KDSFTTrainer(KDTrainerMixin, trl.SFTTrainer):           # the same loss in TRL's SFTTrainer, which
+        pass                                                     # takes `datasets` only: as_hf_dataset(data)
+
+compute_loss runs the model for its final hidden states only (logits for one position: never [B, T, V]), finds
+the lm_head through PEFT and DDP/FSDP wrappers, gathers an FSDP2-sharded head weight (DTensor) for the loss
+with a gradient back to its shards, and divides the summed loss by the counted tokens (kd_mask) of the whole
+optimizer step on every process (num_items_in_batch), as `topkd train` does: gradient accumulation 1x4 and 4x1
+give the same step. The teacher columns survive remove_unused_columns; a TopKDataset is read in its own
+(seeded) order; kd_loss and ce_loss (per counted token) are logged beside loss. The options are those of
+fused_linear_kd (topkd.loss.LossOptions).
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+
+from topkd.data import EpochSampler, TopKDataset, collate
+from topkd.loss import loss_parts
+from topkd.loss.options import LossOptions
+from topkd.train.student import batch_loss
+
+KD_COLUMNS = ("position_ids", "labels", "kd_mask", "teacher_ids", "teacher_logprobs", "teacher_logz")
+
+
+class KDTrainerMixin:
+    """compute_loss, column keeping, sampling and logging for a transformers.Trainer subclass (KDTrainer, or
+    yours with TRL's SFTTrainer). Loss options are keyword arguments; everything else goes to the Trainer."""
+
+    loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's counted tokens
+
+    def __init__(self, *args, divergence: str = "kl", tail: str = "bucket", temperature: float = 1.0,
+                 beta: float = 0.5, ce_weight: float = 0.0, impl: str = "fused", chunk_size: int | None = None,
+                 top_k: int = 0, **kwargs):
+        self.kd_options = LossOptions(divergence=divergence, tail=tail, temperature=temperature, beta=beta,
+                                      ce_weight=ce_weight, reduction="sum", impl=impl, chunk_size=chunk_size)
+        self.kd_top_k = top_k
+        if kwargs.get("data_collator") is None:
+            kwargs["data_collator"] = collate
+        super().__init__(*args, **kwargs)
+        self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *KD_COLUMNS]))
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if isinstance(dataset, TopKDataset):  # several processes: accelerate shards its batches
+            return EpochSampler(dataset)  # its order is already topkd train's seeded one, epoch by epoch
+        return super()._get_train_sampler(train_dataset)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        """The step's counted tokens (kd_mask) over all its micro-batches and processes: the loss's divisor."""
+        if not batch_samples or "kd_mask" not in batch_samples[0]:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        count = sum(b["kd_mask"].sum() for b in batch_samples).to(device)
+        return self.accelerator.gather(count).sum() if self.args.world_size > 1 else count
+
+    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        missing = [c for c in ("kd_mask", "teacher_ids", "teacher_logprobs") if c not in inputs]
+        if missing:
+            raise ValueError(f"KDTrainer: expected batches with the teacher's columns, got none of {missing} (keys "
+                             f"{sorted(inputs)}); train on a topkd.data.TopKDataset collated by topkd.data.collate")
+        if self.kd_options.needs_logz and "teacher_logz" not in inputs:
+            raise ValueError(f"KDTrainer: temperature={self.kd_options.temperature} with tail='bucket' needs "
+                             "teacher_logz; build the dataset with TopKDataset(cache, temperature=T)")
+        hidden = final_hidden_states(model, inputs)
+        with loss_parts() as parts:
+            total = batch_loss(head_model(model), hidden, inputs, self.kd_options, self.kd_teacher_vocab(),
+                               self.kd_top_k)
+        tokens = inputs["kd_mask"].sum() if num_items_in_batch is None else num_items_in_batch
+        loss = total / tokens.clamp(min=1)
+        if self.args.world_size > 1:
+            loss = loss * self.args.world_size  # DDP/FSDP average gradients over processes; tokens are global
+        self._kd_logged["kd"] += float(parts["kd"])
+        self._kd_logged["ce"] += float(parts["ce"])
+        self._kd_logged["tokens"] += float(inputs["kd_mask"].sum())
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def kd_teacher_vocab(self) -> int | None:
+        """The cache's vocabulary (a TopKDataset knows it): student head rows beyond it are padding, left out."""
+        return getattr(self.train_dataset, "vocab_size", None)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """Adds kd_loss and ce_loss (per counted token since the last log, this process) beside loss."""
+        seen = self._kd_logged
+        if "loss" in logs and seen["tokens"]:
+            logs["kd_loss"] = seen["kd"] / seen["tokens"]
+            if self.kd_options.needs_labels:
+                logs["ce_loss"] = seen["ce"] / seen["tokens"]
+            self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}
+        super().log(logs, *args, **kwargs)
+
+
+class KDTrainer(KDTrainerMixin, transformers.Trainer):
+    """transformers.Trainer distilling from a top-K cache with topkd's fused loss (see the module docstring)."""
+
+
+def as_hf_dataset(data: TopKDataset):
+    """A lazy `datasets.IterableDataset` of data's items in order, epoch after epoch (for TRL's SFTTrainer, which
+    takes `datasets` only; pass SFTConfig(max_steps=..., dataset_kwargs={"skip_prepare_dataset": True})).
+    Nothing is copied: items are decoded from the cache as they are read."""
+    import itertools
+
+    import datasets
+
+    def items():
+        for index in itertools.count():
+            yield {name: t.numpy() for name, t in data[index].items()}
+
+    return datasets.IterableDataset.from_generator(items).with_format("torch")
+
+
+def head_model(model):
+    """The causal LM under DDP/FSDP/PEFT wrappers: the module whose get_output_embeddings() is the lm_head."""
+    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
+        model = model.module  # DDP, DataParallel
+    get_base = getattr(model, "get_base_model", None)  # PEFT: the head of the base model, frozen or not
+    return get_base() if callable(get_base) else model
+
+
+def final_hidden_states(model, inputs: dict) -> torch.Tensor:
+    """[B, T, H] final (normed) hidden states through the model's own forward (so DDP and FSDP see a forward and
+    gather what they shard), with logits for one position only."""
+    out = model(input_ids=inputs["input_ids"], position_ids=inputs.get("position_ids"), use_cache=False,
+                output_hidden_states=True, logits_to_keep=1, return_dict=True)
+    return out.hidden_states[-1]
+
+
+__all__ = ["KDTrainer", "KDTrainerMixin", "KD_COLUMNS", "as_hf_dataset"]

@@ -1,0 +1,43 @@
+"""topkd.loss.loss_parts: the KD and CE terms every impl reduces, summing to the loss; nothing outside a block."""
+import pytest
+import torch
+
+import topkd
+from topkd.loss import loss_parts
+from topkd.loss.fused import reduce_per_token
+
+
+def _inputs(n=13, v=37, h=8, k=5):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    logprobs = torch.log_softmax(torch.randn(n, k, generator=g), -1) - 0.2
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[3] = -100
+    mask = torch.rand(n, generator=g) > 0.2
+    return x, w, ids, logprobs, mask, labels
+
+
+@pytest.mark.parametrize("impl", ["fused", "chunked", "dense"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_parts_sum_to_the_loss(impl, reduction):
+    x, w, ids, logprobs, mask, labels = _inputs()
+    with loss_parts() as parts:
+        loss = topkd.fused_linear_kd(x, w, ids, logprobs, mask=mask, labels=labels, ce_weight=0.3, impl=impl,
+                                     reduction=reduction)
+    assert float(parts["kd"] + 0.3 * parts["ce"]) == pytest.approx(float(loss), rel=1e-6)
+    kd_only = topkd.fused_linear_kd(x, w, ids, logprobs, mask=mask, impl=impl, reduction=reduction)
+    assert float(parts["kd"]) == pytest.approx(float(kd_only), rel=1e-6)
+    counted = mask & (labels != -100)  # CE is taken where KD counts a token and a label exists
+    ce = torch.nn.functional.cross_entropy(x @ w.T, labels.clamp(min=0), reduction="none")[counted]
+    assert float(parts["ce"]) == pytest.approx(float(ce.sum() if reduction == "sum" else ce.mean()),  # as the loss
+                                               rel=1e-5)
+
+
+def test_nothing_is_recorded_outside_a_block_and_blocks_add_up():
+    x, w, ids, logprobs, mask, _ = _inputs()
+    reduce_per_token(torch.ones(3), None, None, None, "none")  # no block open: nothing to do, no error
+    with loss_parts() as parts:
+        a = topkd.fused_linear_kd(x, w, ids, logprobs, mask=mask, reduction="sum")
+        b = topkd.fused_linear_kd(x[:5], w, ids[:5], logprobs[:5], reduction="sum")
+    assert float(parts["kd"]) == pytest.approx(float(a + b), rel=1e-6) and float(parts["ce"]) == 0.0
