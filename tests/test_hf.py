@@ -49,7 +49,10 @@ def test_twenty_steps_match_topkd_train(built_cache, tmp_path):
     train(cfg)
     logs, _ = _hf_run(built_cache, tmp_path / "hf", cfg, batch=2, accum=2, steps=20, **loss)
     assert [row["loss"] for row in logs] == pytest.approx(losses(tmp_path / "topkd"), rel=1e-5)
-    assert all(row["kd_loss"] > 0 and row["ce_loss"] > 0 for row in logs)
+    rows = [json.loads(line) for line in open(tmp_path / "topkd" / "metrics.jsonl")]
+    for name in ("kd_loss", "ce_loss"):  # the same split of the loss, logged by both
+        assert [row[name] for row in logs] == pytest.approx([row[name] for row in rows], rel=1e-5)
+    assert [r["kd_loss"] + 0.1 * r["ce_loss"] for r in rows] == pytest.approx([r["loss"] for r in rows], rel=1e-5)
 
 
 def test_accumulation_one_by_four_equals_four_by_one(built_cache, tmp_path):

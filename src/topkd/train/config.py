@@ -49,6 +49,11 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     skip_nonfinite: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: list[str] = field(default_factory=list)
+    merge: bool = False
+    report_to: str = "none"
 
 
 TRAIN_HELP = {
@@ -93,12 +98,19 @@ TRAIN_HELP = {
     "seed": "seed for the data order and initialisation",
     "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK, one GPU per process)",
     "skip_nonfinite": "skip (do not apply) a step whose loss or gradient norm is NaN/inf, instead of stopping the run",
+    "lora_rank": "train LoRA adapters of this rank instead of every weight (peft; lm_head frozen: no dW GEMM)",
+    "lora_alpha": "LoRA scaling alpha (0: twice the rank)",
+    "lora_targets": "comma-separated module names that get adapters (empty: every Linear layer but lm_head)",
+    "merge": "with --lora-rank: also fold the adapters into the weights and write that model to final/",
+    "report_to": "none | tensorboard (event files in OUT/tensorboard) | wandb (offline unless WANDB_MODE says "
+                 "otherwise), beside metrics.jsonl",
 }
+REPORTERS = ("none", "tensorboard", "wandb")
 
 # Flags that change nothing in the loss trajectory: a resumed run may change them. --batch-size is replaced by
 # the global batch (batch x processes), which is what the trajectory depends on (processes may change on resume).
 NOT_TRAJECTORY = ("out", "steps", "checkpoint_every", "loader_workers", "device", "activation_checkpointing",
-                  "batch_size", "skip_nonfinite")
+                  "batch_size", "skip_nonfinite", "merge", "report_to")
 RUN_FILE = "run.json"
 
 
@@ -163,9 +175,27 @@ def check_config(cfg: TrainConfig) -> None:
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
     require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k", "top_k",
                        "max_sequences", "loader_workers"), 0)
+    check_lora_and_reporting(cfg)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
         raise ValueError(f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
                          f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}")
+
+
+def check_lora_and_reporting(cfg: TrainConfig) -> None:
+    require_ints(cfg, ("lora_rank",), 0)
+    if (cfg.lora_alpha or cfg.lora_targets or cfg.merge) and not cfg.lora_rank:
+        raise ValueError(f"--lora-alpha, --lora-targets and --merge go with --lora-rank R, got lora_rank=0 with "
+                         f"alpha={cfg.lora_alpha} targets={cfg.lora_targets} merge={cfg.merge}; add --lora-rank")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before the process group exists
+    if cfg.lora_rank and world > 1:
+        raise ValueError(f"--lora-rank: expected one process, got {world} under torchrun (LoRA is not wired "
+                         "into FSDP2 here); run one process, or use topkd.hf.KDTrainer with accelerate")
+    if cfg.lora_rank:
+        from topkd.train.lora import require_peft
+
+        require_peft()
+    if cfg.report_to not in REPORTERS:
+        raise ValueError(f"report_to: expected one of {REPORTERS}, got {cfg.report_to!r}")
 
 
 def loss_options(cfg: TrainConfig) -> LossOptions:

@@ -28,11 +28,13 @@ from topkd import dist
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
 from topkd.data.samples import SampleStream, count_tokens
+from topkd.loss import loss_parts
 from topkd.memory import process_peak_bytes
 from topkd.progress import progress
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, logz_column, loss_options
+from topkd.train.lora import add_adapters, save_lora_student
 from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
 from topkd.train.student import KDStudent, load_student
@@ -50,6 +52,8 @@ def train(cfg: TrainConfig) -> dict:
     check_top_k(cfg.top_k, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
+    if cfg.lora_rank:
+        student.model = add_adapters(student.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     options = loss_options(cfg)
     stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, options), cfg.packing)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
@@ -76,7 +80,11 @@ def train(cfg: TrainConfig) -> dict:
             json.dump({**asdict(cfg), "world_size": world}, f, indent=1)
     row = run_steps(module, stream, optimizer, scheduler, cfg, state, resumed)
     ckpt.save(cfg.out, module, optimizer, scheduler, state)
-    save_final(module, student, os.path.join(cfg.out, "final"))
+    if cfg.lora_rank:
+        save_lora_student(student.model, student.tokenizer, os.path.join(cfg.out, "final"), cfg.merge,
+                          base_dir=cfg.student or None)
+    else:
+        save_final(module, student, os.path.join(cfg.out, "final"))
     if rank == 0:
         plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"))
         print(f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
@@ -209,12 +217,13 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
     micro = [_to(b, device) for b in (micro or step_batches(stream, cfg, state["samples"]))]
     tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
-    total = 0.0
+    total, kd_sum, ce_sum = 0.0, 0.0, 0.0
     for batch in micro:
-        with _autocast(cfg.autocast_bf16, device):
+        with _autocast(cfg.autocast_bf16, device), loss_parts() as parts:
             loss = module(batch) / max(tokens, 1)
         loss.backward()
         total += float(loss.detach())
+        kd_sum, ce_sum = kd_sum + float(parts["kd"]), ce_sum + float(parts["ce"])  # loss.detach() synced already
     params = [p for p in module.parameters() if p.grad is not None]
     grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
     lr, loss = optimizer.param_groups[0]["lr"], dist.all_sum(total)
@@ -234,7 +243,10 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the optimizer step's kernels are part of the step's time
     seconds = time.perf_counter() - start
-    return {"step": state["step"], "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+    parts = {"kd_loss": dist.all_sum(kd_sum) / max(tokens, 1)} if cfg.objective == "kd" else {}
+    if cfg.objective == "kd" and cfg.ce_weight:
+        parts["ce_loss"] = dist.all_sum(ce_sum) / max(tokens, 1)
+    return {"step": state["step"], "epoch": epoch, "loss": loss, **parts, "lr": lr, "grad_norm": grad_norm,
             "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,
             "peak_gib": dist.all_max(process_peak_bytes(device) / 2**30), **({} if finite else {"skipped": True})}
 

@@ -1,0 +1,69 @@
+"""`topkd train --lora-rank`: only adapters change, the loss decreases, adapters/base/merged model written;
+a frozen lm_head costs the loss no dW GEMM (counted); refusals."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import topkd
+from tests.train.runs import config, losses
+from topkd.trace import OpTrace
+from topkd.train import train
+from topkd.train.config import check_config
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_frozen_head_skips_the_dw_gemm(trainable):
+    n, v, h, k = 37, 101, 16, 5
+    x = torch.randn(n, h, requires_grad=True)
+    w = torch.randn(v, h, requires_grad=trainable)
+    ids = torch.stack([torch.randperm(v)[:k] for _ in range(n)])
+    logprobs = torch.log_softmax(torch.randn(n, k), -1) - 0.1
+    with OpTrace() as trace:
+        topkd.fused_linear_kd(x, w, ids, logprobs).backward()
+    gemm_flops = sum(op.flops for op in trace.ops if op.kind == "gemm")
+    assert gemm_flops == (6 if trainable else 4) * n * v * h  # logits, dX (and dW)
+    assert (w.grad is not None) == trainable
+
+
+def test_lora_flags_are_checked_before_anything_loads(built_cache, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--merge go with --lora-rank R"):
+        check_config(config(built_cache, tmp_path, merge=True))
+    with pytest.raises(ValueError, match="report_to: expected one of"):
+        check_config(config(built_cache, tmp_path, report_to="mlflow"))
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"--lora-rank: expected the peft package.*topkd\[hf\]"):
+        check_config(config(built_cache, tmp_path, lora_rank=4))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="expected one process, got 2 under torchrun"):
+        check_config(config(built_cache, tmp_path, lora_rank=4))
+
+
+@pytest.mark.slow  # needs the extra topkd[hf] (peft)
+def test_lora_trains_only_adapters_and_writes_them(built_cache, tmp_path):
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from topkd.cache import TopKCache
+    from topkd.train.student import cut_layers
+
+    train(config(built_cache, tmp_path, steps=12, seq_len=24, lr=1e-2, lora_rank=4))
+    assert not os.path.exists(tmp_path / "final" / "config.json")  # adapters and base only, until --merge
+    train(config(built_cache, tmp_path, steps=12, seq_len=24, lr=1e-2, lora_rank=4, merge=True))  # resumes at 12
+    curve = losses(tmp_path)
+    assert sum(curve[-3:]) < sum(curve[:3])
+    before = cut_layers(TopKCache(built_cache).load_teacher().model, 1).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
+    changed = {n for n in before if not torch.allclose(before[n], merged[n])}
+    assert changed and all(n.endswith("proj.weight") for n in changed)  # adapters fold into the Linear layers only
+    assert torch.equal(before["lm_head.weight"], merged["lm_head.weight"])
+    adapter = json.load(open(tmp_path / "final" / "adapter" / "adapter_config.json"))
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "base")
+    assert all(torch.equal(before[n], t) for n, t in base.state_dict().items())  # the untouched base, as it was
+    with_adapter = PeftModel.from_pretrained(base, tmp_path / "final" / "adapter").merge_and_unload().state_dict()
+    assert all(torch.allclose(with_adapter[n], merged[n], atol=1e-6) for n in merged)
+    assert os.path.exists(tmp_path / "final" / "adapter" / "tokenizer.json")
