@@ -10,6 +10,7 @@ from topkd.checks import require_device, require_ints, require_path
 from topkd.data.samples import PACKINGS, temperature_column
 from topkd.files import write_json_atomic
 from topkd.loss.options import LossOptions
+from topkd.train.report import require_reporter
 
 
 @dataclass
@@ -105,7 +106,6 @@ TRAIN_HELP = {
     "report_to": "none | tensorboard (event files in OUT/tensorboard) | wandb (offline unless WANDB_MODE says "
                  "otherwise), beside metrics.jsonl",
 }
-REPORTERS = ("none", "tensorboard", "wandb")
 
 # Flags that change nothing in the loss trajectory: a resumed run may change them. --batch-size is replaced by
 # the global batch (batch x processes), which is what the trajectory depends on (processes may change on resume).
@@ -194,8 +194,7 @@ def check_lora_and_reporting(cfg: TrainConfig) -> None:
         from topkd.train.lora import require_peft
 
         require_peft()
-    if cfg.report_to not in REPORTERS:
-        raise ValueError(f"report_to: expected one of {REPORTERS}, got {cfg.report_to!r}")
+    require_reporter(cfg.report_to)
 
 
 def loss_options(cfg: TrainConfig) -> LossOptions:

@@ -37,6 +37,7 @@ from topkd.train.config import TrainConfig, check_config, check_paths, check_res
 from topkd.train.lora import add_adapters, save_lora_student
 from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
+from topkd.train.report import open_reporter
 from topkd.train.student import KDStudent, load_student
 
 
@@ -100,12 +101,14 @@ def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg
     bar = progress(total=cfg.steps, initial=state["step"], desc="train" + (" (resumed)" if resumed else ""),
                    unit="step", disable=rank != 0)
     steps = step_loader(stream, cfg, state, workers=0 if cfg.teacher else cfg.loader_workers)
-    with stop_requests() as stop:
+    reporter = open_reporter(cfg.report_to if rank == 0 else "none", cfg.out, asdict(cfg), state["step"])
+    with stop_requests() as stop, contextlib.closing(reporter):
         while state["step"] < cfg.steps:
             row = train_step(module, stream, optimizer, scheduler, cfg, state, micro=next(steps))
             if rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+                reporter.log(row)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             GiB=f"{row['peak_gib']:.2f}")
