@@ -38,3 +38,19 @@ def test_readme_file_tree_matches_the_tree():
     assert not missing, f"README names paths that do not exist: {missing}"
     modules = {str(p.relative_to(root)) for p in (root / "src" / "topkd").rglob("*.py") if p.name != "__init__.py"}
     assert not sorted(modules - listed), f"modules missing from the README tree: {sorted(modules - listed)}"
+
+
+def test_integrations_own_loop_runs_and_learns(built_cache):
+    """docs/integrations.md's 30-line loop, executed as written: its loss falls."""
+    from topkd.cache import TopKCache
+    from topkd.train.student import cut_layers
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    loop = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "for step in range(steps)" in b)
+    assert len([line for line in loop.splitlines() if line.strip()]) <= 36  # a page, imports included
+    torch.manual_seed(0)
+    student = cut_layers(TopKCache(built_cache).load_teacher().model, 1)
+    names = {"cache_path": built_cache, "steps": 12, "student": student}
+    exec(compile(loop, "docs/integrations.md", "exec"), names)
+    history = names["history"]
+    assert len(history) == 12 and sum(history[-3:]) < sum(history[:3])

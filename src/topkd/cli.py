@@ -26,6 +26,7 @@ from topkd.bench.model import MODEL_BENCH_HELP, ModelBenchConfig, run_model_benc
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
 from topkd.cache.inspect import INSPECT_HELP, VERIFY_HELP, InspectConfig, VerifyConfig, inspect_cache, verify_cache
+from topkd.cache.interchange import EXPORT_HELP, IMPORT_HELP, ExportConfig, ImportConfig, run_export, run_import
 from topkd.demo import DEMO_HELP, DemoConfig, run_demo
 from topkd.eval.run import EVAL_HELP, EvalConfig, run_eval
 from topkd.signals import Interrupted, signals_raise
@@ -57,6 +58,10 @@ COMMANDS = (
             lambda cfg: verify_cache(cfg.path)),
     Command(("cache", "inspect"), "fingerprint, totals, bytes/token, top-K mass histogram", InspectConfig,
             INSPECT_HELP, _run_inspect),
+    Command(("cache", "export"), "write the cache as another trainer's data set (axolotl: Parquet, KD columns)",
+            ExportConfig, EXPORT_HELP, run_export),
+    Command(("cache", "import"), "a cache from another trainer's KD data set (axolotl); the tail is unknown",
+            ImportConfig, IMPORT_HELP, run_import),
     Command(("train",), "train a student against a top-K cache (or an online teacher)", TrainConfig, TRAIN_HELP,
             train),
     Command(("eval",), "score a model: text bits/byte, KL to a teacher cache, multiple choice", EvalConfig,
@@ -72,8 +77,8 @@ COMMANDS = (
     Command(("bench", "model"), "cost model: predicted time, TFLOP/s and peak memory per impl on a named device; "
             "--calibrate against bench loss here", ModelBenchConfig, MODEL_BENCH_HELP, run_model_bench),
 )
-GROUPS = {"cache": "teacher top-K cache: build, verify, inspect", "bench": "benchmarks that record ratios measured "
-          "in one run"}
+GROUPS = {"cache": "teacher top-K cache: build, verify, inspect, export, import",
+          "bench": "benchmarks that record ratios measured in one run"}
 
 
 def _list_of(kind):
