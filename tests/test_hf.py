@@ -86,6 +86,25 @@ def test_batches_without_teacher_columns_are_refused(built_cache, tmp_path):
             trainer.model, {**batch, "kd_mask": 1, "teacher_ids": 1, "teacher_logprobs": 1})
 
 
+def test_a_zero3_partitioned_head_is_refused_with_the_remedy():
+    from topkd.loss.options import LossOptions
+    from topkd.train.student import batch_loss
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(8, 29, bias=False)
+            self.lm_head.weight = torch.nn.Parameter(torch.empty(0))
+            self.lm_head.weight.ds_id = 3  # what DeepSpeed ZeRO-3 leaves outside the forward
+            self.config = type("C", (), {})()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 partition.*FSDP2"):
+        batch_loss(Head(), torch.randn(1, 2, 8), {}, LossOptions(reduction="sum"))
+
+
 SHARDED_HEAD = """
 import os, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh

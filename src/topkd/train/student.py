@@ -115,4 +115,7 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
     """A whole tensor: FSDP2 keeps sharded parameters as DTensors outside their module's forward."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(param, "ds_id") and param.numel() == 0:  # DeepSpeed ZeRO-3: an empty placeholder outside its forward
+        raise ValueError("lm_head: expected the weight itself, got a DeepSpeed ZeRO-3 partition (empty outside the "
+                         "module's forward); shard with FSDP2 (fully_shard), whose DTensor weight topkd gathers")
     return param.full_tensor() if isinstance(param, DTensor) else param
