@@ -119,20 +119,6 @@ def test_manifest_of_another_format_is_refused(cache_copy):
         TopKCache(str(cache_copy))
 
 
-def test_student_vocabulary_and_tokenizer_are_checked(built_cache, teacher_dir):
-    from transformers import AutoTokenizer
-
-    cache = TopKCache(built_cache)
-    tok = AutoTokenizer.from_pretrained(teacher_dir)
-    cache.check_student(vocab_size=1000, tokenizer=tok)
-    cache.check_student(vocab_size=1024)  # padded lm_head rows beyond the teacher's vocabulary are allowed
-    with pytest.raises(ValueError, match="expected >= the teacher's 1000"):
-        cache.check_student(vocab_size=999)
-    tok.add_tokens(["<extra>"])
-    with pytest.raises(ValueError, match="would not line up"):
-        cache.check_student(vocab_size=1001, tokenizer=tok)
-
-
 def test_verify_and_inspect_commands(built_cache, tmp_path, capsys):
     assert main(["cache", "verify", built_cache]) == 0
     assert main(["cache", "inspect", built_cache, "--plot", str(tmp_path / "m.png")]) == 0

@@ -31,8 +31,35 @@ def test_student_with_another_vocabulary_is_refused(built_cache, tmp_path, teach
     with pytest.raises(ValueError, match="student .*: expected tokenizer files beside the model"):
         train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
     AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "small")
-    with pytest.raises(ValueError, match="expected >= the teacher's 1000"):
+    with pytest.raises(ValueError, match="expected >= the teacher's 1000 rows, or more than every id the cache"):
         train(config(built_cache, tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "small")))
+
+
+def test_a_qwen_shaped_pair_trains_the_smaller_head(teacher_dir, text_file, tmp_path):
+    """Teacher embedding rows = student's + 128 (padding the tokenizer never produces, as Qwen2.5 7B -> 3B):
+    the cache records that no id reaches the padding, so the student's smaller head trains."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import cache_config
+    from topkd.cache import build
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    teacher.resize_token_embeddings(1128)
+    with torch.no_grad():  # padding rows at logit 0: far below every row the top-K keeps, like trained padding
+        teacher.get_output_embeddings().weight[1000:] = 0.0
+    teacher.save_pretrained(tmp_path / "teacher")
+    AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "teacher")
+    build(cache_config(str(tmp_path / "teacher"), text_file, tmp_path / "cache"))
+    cache = TopKCache(str(tmp_path / "cache"))
+    assert cache.vocab_size == 1128 and cache.max_id < 1000
+    student = cut_layers(teacher, 1)
+    student.resize_token_embeddings(1000)
+    student.save_pretrained(tmp_path / "student")
+    AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "student")
+    train(config(str(tmp_path / "cache"), tmp_path / "run", init_from_teacher=False, student=str(tmp_path / "student"),
+                 steps=3, seq_len=24))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").get_output_embeddings().weight.shape[0] \
+        == 1000
 
 
 def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_path):

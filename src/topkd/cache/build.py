@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from topkd import dist
 from topkd.cache import manifest as mf
+from topkd.cache.compat import save_teacher_tokenizer
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
@@ -143,6 +144,7 @@ def build(cfg: CacheBuildConfig) -> dict:
         missing = [j for j, s in enumerate(sidecars) if s is None]
         if missing:
             raise mf.CacheError(f"shards {missing[:10]} are missing or failed verification; rerun the same command")
+        save_teacher_tokenizer(cfg.out, teacher.tokenizer)
         manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars)
     totals = manifest["totals"]
     print(f"cache build: wrote {totals['shards']} shards, {totals['sequences']} sequences, {totals['tokens']} "
@@ -202,7 +204,7 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
         arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
                                     temperatures=tuple(cfg.temperatures))
         nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
-        mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash)
+        mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash, largest_id(rows))
         written += nbytes
         bar.update(tokens)
         bar.set_postfix(shards=n_shards, MB=f"{written / 1e6:.1f}", B_per_tok=f"{nbytes / tokens:.0f}",
@@ -229,6 +231,10 @@ def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
         raise ValueError(f"data: expected some text, got no tokens in {cfg.data} (empty files, or JSONL lines with "
                          "empty text); check the inputs")
     return total
+
+
+def largest_id(rows: list[TeacherSequence]) -> int:
+    return max(max(int(r.ids.max()), int(r.input_ids.max())) for r in rows)
 
 
 def teacher_sequence(seq, rows: dict) -> TeacherSequence:

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from topkd.cache import manifest as mf
+from topkd.cache.build import largest_id
+from topkd.cache.compat import save_teacher_tokenizer
 from topkd.cache.reader import TopKCache
 from topkd.cache.shard import TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import fingerprint
@@ -175,19 +177,21 @@ def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: i
     if too_big >= vocab:
         raise ValueError(f"import: expected token ids below the vocabulary size {vocab}, got {too_big}; pass "
                          "--vocab-size (the teacher's lm_head rows) or the teacher's own tokenizer")
-    return _write_imported(seqs, out, fp, build, mf.build_hash(fp, build), vocab)
+    return _write_imported(seqs, out, fp, build, mf.build_hash(fp, build), tokenizer)
 
 
 def _write_imported(seqs: list[TeacherSequence], out: str, fp: dict, build: dict, build_hash: str,
-                    vocab: int) -> dict:
+                    tokenizer) -> dict:
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
     sidecars = []
     for j, first in enumerate(range(0, len(seqs), SEQS_PER_SHARD)):
         group = seqs[first:first + SEQS_PER_SHARD]
         identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
-        arrays, meta = encode_shard(group, vocab=vocab, identity=identity)
+        arrays, meta = encode_shard(group, vocab=fp["vocab_size"], identity=identity)
         nbytes = write_shard(mf.shard_path(out, j), arrays, meta)
-        sidecars.append(mf.write_sidecar(out, j, nbytes, first, len(group), sum(len(s) for s in group), build_hash))
+        sidecars.append(mf.write_sidecar(out, j, nbytes, first, len(group), sum(len(s) for s in group), build_hash,
+                                         largest_id(group)))
+    save_teacher_tokenizer(out, tokenizer)
     manifest = mf.write_manifest(out, fp, build, sidecars)
     print(f"cache import: wrote {len(seqs)} sequences, {manifest['totals']['tokens']} tokens (K={fp['k']}, tail "
           f"unknown: 1 - top-K mass) to {out}", flush=True)

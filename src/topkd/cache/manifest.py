@@ -41,11 +41,13 @@ def build_hash(fingerprint: dict, build: dict) -> str:
     return json_sha256({"fingerprint": content_fp, "build": content_build})
 
 
-def write_sidecar(root: str, j: int, nbytes: int, first_seq: int, n_seqs: int, tokens: int, build_hash: str) -> dict:
-    """After the shard file is durable: its size and checksum, so a rerun can trust or redo it."""
+def write_sidecar(root: str, j: int, nbytes: int, first_seq: int, n_seqs: int, tokens: int, build_hash: str,
+                  max_id: int) -> dict:
+    """After the shard file is durable: its size and checksum, so a rerun can trust or redo it; and the largest
+    token id its rows hold (input or teacher), which decides how small a student head may be."""
     side = {"shard": j, "file": os.path.relpath(shard_path(root, j), root), "bytes": nbytes,
             "sha256": file_sha256(shard_path(root, j)), "sequences": [first_seq, first_seq + n_seqs],
-            "tokens": tokens, "build_hash": build_hash, "format_version": FORMAT_VERSION}
+            "tokens": tokens, "build_hash": build_hash, "format_version": FORMAT_VERSION, "max_id": max_id}
     write_json_atomic(sidecar_path(root, j), side)
     return side
 
@@ -74,6 +76,8 @@ def check_sidecar(side, j: int, where: str = "sidecar") -> None:
     seqs = side.get("sequences")
     need(isinstance(seqs, list) and len(seqs) == 2 and all(_is_int(v, 0) for v in seqs) and seqs[0] < seqs[1],
          f"{where}: expected sequences [first, end) with 0 <= first < end, got {seqs!r}")
+    need("max_id" not in side or _is_int(side["max_id"], 0),  # absent in caches built before it was recorded
+         f"{where}: expected max_id as an integer >= 0, got {side.get('max_id')!r}")
 
 
 def shard_name(j: int) -> str:

@@ -19,8 +19,8 @@ import torch
 from safetensors import SafetensorError
 
 from topkd.cache import manifest as mf
+from topkd.cache.compat import check_student_fits, load_teacher_tokenizer
 from topkd.cache.shard import ShardReader
-from topkd.cache.teacher import tokenizer_hash
 
 SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq_rows", "seq_source",
                  "seq_token_offset", "doc_starts"}
@@ -166,16 +166,14 @@ class TopKCache:
                 starts.append(np.union1d([0], docs[(docs >= a) & (docs < e)] - a).astype(np.int64))
         return starts
 
+    @property
+    def max_id(self) -> int | None:
+        """The largest token id the rows hold (None for caches built before it was recorded)."""
+        ids = [side.get("max_id") for side in self.manifest["shards"]]
+        return None if not ids or None in ids else max(ids)
+
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
-        """Refuse a student whose vocabulary or tokenizer differs from the teacher's."""
-        check_student_fits(self.vocab_size, self.fingerprint["tokenizer_sha256"], vocab_size, tokenizer)
-
-
-def check_student_fits(teacher_vocab: int, teacher_tokenizer_sha256: str, vocab_size: int, tokenizer=None) -> None:
-    if vocab_size < teacher_vocab:
-        raise ValueError(f"student vocabulary: expected >= the teacher's {teacher_vocab} (padded rows beyond it "
-                         f"are masked), got {vocab_size}; use a student with the teacher's tokenizer")
-    if tokenizer is not None and tokenizer_hash(tokenizer) != teacher_tokenizer_sha256:
-        raise ValueError(f"student tokenizer: expected the teacher's (sha256 {teacher_tokenizer_sha256[:12]}), got a "
-                         f"different one (sha256 {tokenizer_hash(tokenizer)[:12]}); token ids would not line up with "
-                         "the teacher's")
+        """Refuse a student whose head cannot hold the cache's ids or whose tokenizer gives other ids (compat)."""
+        teacher_tokenizer = None if tokenizer is None else load_teacher_tokenizer(self.path, self.fingerprint)
+        check_student_fits(self.vocab_size, self.fingerprint["tokenizer_sha256"], vocab_size, tokenizer,
+                           teacher_tokenizer, self.max_id)

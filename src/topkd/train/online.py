@@ -17,7 +17,7 @@ import itertools
 import numpy as np
 import torch
 
-from topkd.cache.reader import check_student_fits
+from topkd.cache.compat import check_student_fits
 from topkd.cache.teacher import Teacher, tokenizer_hash
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
 from topkd.models import model_head, soft_cap
@@ -49,7 +49,8 @@ class OnlineTeacher:
         return [np.union1d([0], s.doc_starts).astype(np.int64) for s in self.sequences]
 
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
-        check_student_fits(self.vocab_size, tokenizer_hash(self.teacher.tokenizer), vocab_size, tokenizer)
+        check_student_fits(self.vocab_size, tokenizer_hash(self.teacher.tokenizer), vocab_size, tokenizer,
+                           self.teacher.tokenizer)
 
     @property
     def teacher_dir(self) -> str:
