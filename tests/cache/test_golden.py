@@ -1,5 +1,6 @@
 """Golden bytes: the on-disk format of docs/cache-format.md, pinned. A change here is a format change:
-bump FORMAT_VERSION, document it, and update the pins."""
+bump FORMAT_VERSION, document it, and update the pins. A shard without a loss mask is still version 2, byte for
+byte; one with a row_mask (chat data) is version 3."""
 import hashlib
 import json
 import struct
@@ -7,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from topkd.cache.shard import FORMAT_VERSION, ShardReader, TeacherSequence, encode_shard, write_shard
+from topkd.cache.shard import FORMAT_VERSION, UNMASKED_VERSION, ShardReader, TeacherSequence, encode_shard, write_shard
 
 GOLDEN_SHA256 = {
     "rice": "80a142e0fe84c415a58ba4fb4224779aa21c01d8eea5a976df45125edc85ec52",
@@ -41,7 +42,8 @@ def test_golden_shard_bytes(tmp_path, codec_name):
     header = json.loads(data[8:8 + header_len])
     a, b = header["meta_json"]["data_offsets"]
     meta = json.loads(data[8 + header_len + a:8 + header_len + b])
-    assert meta["format_version"] == str(FORMAT_VERSION) == "2" and "__metadata__" not in header
+    assert meta["format_version"] == str(UNMASKED_VERSION) == "2" and "__metadata__" not in header
+    assert "row_mask" not in header  # no mask: every row counts, as in every version-2 cache
     assert (meta["build_hash"], meta["shard"], meta["sequences"], meta["temperatures"]) == ("ab" * 32, "0", "0,2",
                                                                                           "[2.0]")
     assert header["log_mass_t"]["shape"] == [3, 1]
@@ -87,3 +89,22 @@ def test_golden_codec_tensors_byte_for_byte(codec_name):
     assert set(CODECS[codec_name].tensors) == set(GOLDEN_CODEC_BYTES[codec_name])
     assert {n: arrays[n].tobytes().hex() for n in CODECS[codec_name].tensors} == GOLDEN_CODEC_BYTES[codec_name]
     assert np.frombuffer(bytes.fromhex("0042"), "<f2")[0] == 3.0
+
+
+GOLDEN_V3_SHA256 = "0ffff4c7d8a76fcaf18661c913d969ca50f333594e579e68402f40e5efd9d3af"
+
+
+def test_golden_version_3_shard_with_a_row_mask(tmp_path):
+    """Version 3 adds one tensor, row_mask (uint8 per row: 1 counts for KD and CE, 0 is context only); a sequence
+    without a mask in a masked shard counts every row."""
+    seqs = golden_sequences()
+    seqs[0].row_mask = np.array([False, True])
+    identity = {"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"}
+    arrays, meta = encode_shard(seqs, vocab=300, codec_name="rice-zstd", identity=identity, temperatures=(2.0,))
+    assert meta["format_version"] == str(FORMAT_VERSION) == "3"
+    assert arrays["row_mask"].dtype == np.uint8 and arrays["row_mask"].tobytes().hex() == "000101"
+    path = tmp_path / "s.safetensors"
+    write_shard(str(path), arrays, meta)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN_V3_SHA256
+    reader = ShardReader(str(path))
+    assert reader.sequence(0).row_mask.tolist() == [False, True] and reader.sequence(1).row_mask.tolist() == [True]

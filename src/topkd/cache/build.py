@@ -24,7 +24,8 @@ from topkd.cache.compat import save_teacher_tokenizer
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
-from topkd.checks import require_device, require_dtype, require_ints
+from topkd.checks import require_device, require_dtype, require_ints, require_path
+from topkd.data.chat import TRAIN_ON, check_chat_tokenizer
 from topkd.data.documents import check_paths, iter_documents, pack_sequences
 from topkd.files import file_sha256
 from topkd.progress import progress
@@ -44,6 +45,9 @@ class CacheBuildConfig:
     batch_size: int = 4
     max_sequences: int = 0
     text_field: str = "text"
+    messages_field: str = "messages"
+    train_on: str = "assistant"
+    chat_template: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     engine: str = "hf"
@@ -65,6 +69,11 @@ BUILD_HELP = {
     "batch_size": "sequences per teacher forward",
     "max_sequences": "stop after this many sequences (0: all of the data)",
     "text_field": "JSONL field holding the text",
+    "messages_field": "JSONL field holding a conversation ([{role, content}, ...]): rendered with the teacher's chat "
+                      "template, one conversation per document",
+    "train_on": "chat data: assistant (only assistant turns and their end-of-turn token count for KD and CE; the "
+                "teacher still reads the whole conversation) | all",
+    "chat_template": "a Jinja chat template file to render conversations with (default: the teacher tokenizer's)",
     "dtype": "teacher weights dtype: float32 | bfloat16 | float16 (the lm_head math is always fp32)",
     "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK)",
     "engine": "hf (transformers, any device, torchrun data-parallel) | vllm (vLLM in its own environment, see "
@@ -91,6 +100,10 @@ def check_config(cfg: CacheBuildConfig) -> None:
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
     require_dtype(cfg.dtype)
+    if cfg.train_on not in TRAIN_ON:
+        raise ValueError(f"train_on: expected one of {TRAIN_ON}, got {cfg.train_on!r}")
+    if cfg.chat_template:
+        require_path("--chat-template", cfg.chat_template, "file")
     if cfg.engine not in ("hf", "vllm"):
         raise ValueError(f"engine: expected hf | vllm, got {cfg.engine!r}")
     require_ints(cfg, ("tensor_parallel", "parts"), 1)
@@ -113,6 +126,8 @@ def build(cfg: CacheBuildConfig) -> dict:
     teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
         VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
     check_teacher_fits(teacher, cfg)
+    if cfg.chat_template:
+        check_chat_tokenizer(teacher.tokenizer, cfg.chat_template)  # conversations render with this template
     me, builders = cfg.part * world + rank, cfg.parts * world
     total = _count_tokens(teacher, cfg, me, builders)  # also refuses empty or out-of-vocabulary data
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)  # only once the inputs are known to be usable
@@ -204,7 +219,7 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
         arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
                                     temperatures=tuple(cfg.temperatures))
         nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
-        mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash, largest_id(rows))
+        mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash, **shard_facts(rows, meta))
         written += nbytes
         bar.update(tokens)
         bar.set_postfix(shards=n_shards, MB=f"{written / 1e6:.1f}", B_per_tok=f"{nbytes / tokens:.0f}",
@@ -215,7 +230,8 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
 
 def _sequences(teacher, cfg: CacheBuildConfig):
     """The packed sequences of the build's data."""
-    docs = iter_documents(cfg.data, teacher.tokenizer, cfg.text_field, vocab=teacher.vocab)
+    docs = iter_documents(cfg.data, teacher.tokenizer, cfg.text_field, vocab=teacher.vocab,
+                          messages_field=cfg.messages_field, train_on=cfg.train_on)
     seqs = pack_sequences(docs, cfg.seq_len, teacher.tokenizer.eos_token_id)
     return itertools.islice(seqs, cfg.max_sequences) if cfg.max_sequences else seqs
 
@@ -233,8 +249,11 @@ def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
     return total
 
 
-def largest_id(rows: list[TeacherSequence]) -> int:
-    return max(max(int(r.ids.max()), int(r.input_ids.max())) for r in rows)
+def shard_facts(rows: list[TeacherSequence], meta: dict) -> dict:
+    """What a sidecar records beside the checksum: the largest token id, the format version, counted rows."""
+    return {"max_id": max(max(int(r.ids.max()), int(r.input_ids.max())) for r in rows),
+            "format_version": int(meta["format_version"]),
+            "counted": sum(len(r) if r.row_mask is None else int(r.row_mask.sum()) for r in rows)}
 
 
 def teacher_sequence(seq, rows: dict) -> TeacherSequence:
@@ -242,7 +261,7 @@ def teacher_sequence(seq, rows: dict) -> TeacherSequence:
     return TeacherSequence(input_ids=seq.tokens, ids=rows["ids"], logprobs=rows["logprobs"],
                            log_mass=rows["log_mass"], log_tail=rows["log_tail"], logz=rows["logz"],
                            doc_starts=seq.doc_starts, source_index=seq.index, token_offset=seq.token_offset,
-                           log_mass_t=rows.get("log_mass_t"))
+                           log_mass_t=rows.get("log_mass_t"), row_mask=seq.row_mask)
 
 
 def _batched(iterable, n: int):
@@ -256,6 +275,10 @@ def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
     data = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)} for p in cfg.data]
     keep = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "codec", "seqs_per_shard", "max_sequences",
                                                              "text_field")}
+    defaults = CacheBuildConfig()  # chat settings only when changed: plain caches keep their build hash
+    keep.update({k: getattr(cfg, k) for k in ("messages_field", "train_on") if getattr(cfg, k) != getattr(defaults, k)})
+    if cfg.chat_template:
+        keep["chat_template_sha256"] = file_sha256(cfg.chat_template)
     return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}
 
 

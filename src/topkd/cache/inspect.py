@@ -57,7 +57,9 @@ def inspect_cache(path: str, plot: str | None = None) -> dict:
     print(f"cache      {path}")
     for key in ("teacher", "engine", "dtype", "vocab_size", "k", "temperatures", "alignment"):
         print(f"{key:<10} {fp[key]}")
-    print(f"codec      {m['build']['codec']}   seq_len {m['build']['seq_len']}")
+    print(f"codec      {m['build']['codec']}   seq_len {m['build']['seq_len']}   format v{m['format_version']}")
+    print(f"counted    {cache.counted_tokens} of {totals['tokens']} rows count for KD/CE "
+          f"({cache.counted_tokens / max(totals['tokens'], 1):.1%}; chat data: assistant turns only)")
     print(f"totals     {totals['sequences']} sequences, {totals['tokens']} tokens, {totals['shards']} shards, "
           f"{totals['bytes'] / 1e6:.2f} MB, {totals['bytes_per_token']:.1f} bytes/token")
     print(f"top-K mass mean {mass.mean():.4f}, median {np.median(mass):.4f}, min {mass.min():.4f}")
@@ -68,8 +70,8 @@ def inspect_cache(path: str, plot: str | None = None) -> dict:
                "mass_hist": {"bins": MASS_BINS.tolist(), "counts": counts.tolist()}}
     if plot:
         _plot(mass, fp, plot)
-    print(json.dumps({"cache": path, "tokens": totals["tokens"], "bytes_per_token": totals["bytes_per_token"],
-                      "mass_mean": summary["mass_mean"]}))
+    print(json.dumps({"cache": path, "tokens": totals["tokens"], "counted_tokens": cache.counted_tokens,
+                      "bytes_per_token": totals["bytes_per_token"], "mass_mean": summary["mass_mean"]}))
     return summary
 
 

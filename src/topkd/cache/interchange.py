@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from topkd.cache import manifest as mf
-from topkd.cache.build import largest_id
+from topkd.cache.build import shard_facts
 from topkd.cache.compat import save_teacher_tokenizer
 from topkd.cache.reader import TopKCache
 from topkd.cache.shard import TeacherSequence, encode_shard, write_shard
@@ -190,7 +190,7 @@ def _write_imported(seqs: list[TeacherSequence], out: str, fp: dict, build: dict
         arrays, meta = encode_shard(group, vocab=fp["vocab_size"], identity=identity)
         nbytes = write_shard(mf.shard_path(out, j), arrays, meta)
         sidecars.append(mf.write_sidecar(out, j, nbytes, first, len(group), sum(len(s) for s in group), build_hash,
-                                         largest_id(group)))
+                                         **shard_facts(group, meta)))
     save_teacher_tokenizer(out, tokenizer)
     manifest = mf.write_manifest(out, fp, build, sidecars)
     print(f"cache import: wrote {len(seqs)} sequences, {manifest['totals']['tokens']} tokens (K={fp['k']}, tail "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from topkd.cache.shard import CODECS, FORMAT_VERSION, read_meta
+from topkd.cache.shard import CODECS, READABLE_VERSIONS, read_meta
 from topkd.files import file_sha256, json_sha256, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -42,12 +42,13 @@ def build_hash(fingerprint: dict, build: dict) -> str:
 
 
 def write_sidecar(root: str, j: int, nbytes: int, first_seq: int, n_seqs: int, tokens: int, build_hash: str,
-                  max_id: int) -> dict:
+                  max_id: int, format_version: int, counted: int) -> dict:
     """After the shard file is durable: its size and checksum, so a rerun can trust or redo it; and the largest
     token id its rows hold (input or teacher), which decides how small a student head may be."""
     side = {"shard": j, "file": os.path.relpath(shard_path(root, j), root), "bytes": nbytes,
             "sha256": file_sha256(shard_path(root, j)), "sequences": [first_seq, first_seq + n_seqs],
-            "tokens": tokens, "build_hash": build_hash, "format_version": FORMAT_VERSION, "max_id": max_id}
+            "tokens": tokens, "build_hash": build_hash, "format_version": format_version, "max_id": max_id,
+            "counted": counted}
     write_json_atomic(sidecar_path(root, j), side)
     return side
 
@@ -76,8 +77,11 @@ def check_sidecar(side, j: int, where: str = "sidecar") -> None:
     seqs = side.get("sequences")
     need(isinstance(seqs, list) and len(seqs) == 2 and all(_is_int(v, 0) for v in seqs) and seqs[0] < seqs[1],
          f"{where}: expected sequences [first, end) with 0 <= first < end, got {seqs!r}")
-    need("max_id" not in side or _is_int(side["max_id"], 0),  # absent in caches built before it was recorded
-         f"{where}: expected max_id as an integer >= 0, got {side.get('max_id')!r}")
+    need(side.get("format_version") in READABLE_VERSIONS, f"{where}: expected format_version in "
+         f"{READABLE_VERSIONS}, got {side.get('format_version')!r}")
+    for key in ("max_id", "counted"):  # absent in caches built before they were recorded
+        need(key not in side or _is_int(side[key], 0), f"{where}: expected {key} as an integer >= 0, got "
+             f"{side.get(key)!r}")
 
 
 def shard_name(j: int) -> str:
@@ -118,7 +122,7 @@ def check_shard(root: str, side: dict, checksum: bool = True) -> str | None:
 
 def identity_problem(meta: dict, side: dict, build: str) -> str | None:
     """None when a shard's own metadata (inside its checksummed bytes) says it is this shard of this build."""
-    want = {"format_version": str(FORMAT_VERSION), "build_hash": build, "shard": str(side["shard"]),
+    want = {"format_version": str(side.get("format_version")), "build_hash": build, "shard": str(side["shard"]),
             "sequences": f"{side['sequences'][0]},{side['sequences'][1]}"}
     wrong = [key for key, value in want.items() if meta.get(key) != value]
     if wrong:
@@ -157,7 +161,8 @@ def write_manifest(root: str, fingerprint: dict, build: dict, sidecars: list[dic
             raise CacheError(f"shards are not consecutive at shard {j}; rerun the build to complete it")
     tokens = sum(s["tokens"] for s in sidecars)
     nbytes = sum(s["bytes"] for s in sidecars)
-    manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "fingerprint": fingerprint,
+    version = max((s["format_version"] for s in sidecars), default=min(READABLE_VERSIONS))
+    manifest = {"format": FORMAT_NAME, "format_version": version, "fingerprint": fingerprint,
                 "build": build, "build_hash": sidecars[0]["build_hash"] if sidecars else None, "shards": sidecars,
                 "totals": {"shards": len(sidecars), "sequences": sidecars[-1]["sequences"][1] if sidecars else 0,
                            "tokens": tokens, "bytes": nbytes, "bytes_per_token": nbytes / max(tokens, 1)}}
@@ -186,9 +191,9 @@ def load_manifest(root: str) -> dict:
 def check_manifest(m, path: str) -> None:
     """Every field the readers use, with its type and range; the shards consecutive; the hashes consistent."""
     need(isinstance(m, dict), f"{path}: expected a JSON object, got {type(m).__name__}; rerun the build to rewrite it")
-    if m.get("format") != FORMAT_NAME or m.get("format_version") != FORMAT_VERSION:
-        raise CacheError(f"{path}: expected format {FORMAT_NAME} v{FORMAT_VERSION}, got "
-                         f"{m.get('format')} v{m.get('format_version')}; rebuild with this topkd")
+    if m.get("format") != FORMAT_NAME or m.get("format_version") not in READABLE_VERSIONS:
+        raise CacheError(f"{path}: expected format {FORMAT_NAME} version {' or '.join(map(str, READABLE_VERSIONS))}, "
+                         f"got {m.get('format')} v{m.get('format_version')}; rebuild with this topkd")
     fp, build, shards, totals = (m.get(key) for key in ("fingerprint", "build", "shards", "totals"))
     need(all(isinstance(x, dict) for x in (fp, build, totals)) and isinstance(shards, list),
          f"{path}: expected objects fingerprint, build, totals and a list shards; the manifest is damaged, rerun "

@@ -26,7 +26,8 @@ SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq
                  "seq_token_offset", "doc_starts"}
 OPEN_SHARDS = 64
 ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "lp_codes", "id_rem",
-               "ids_packed"}  # one row per token
+               "ids_packed", "row_mask"}  # one row per token
+VERSION_TENSORS = {2: set(), 3: {"row_mask"}}  # what each format version adds to every shard
 
 
 class TopKCache:
@@ -90,7 +91,7 @@ class TopKCache:
             raise mf.CacheError(f"cache {self.path}: {problem or side['file'] + ': stored temperatures differ'}; "
                                 "it does not belong here: delete it and its .json sidecar and rerun the build "
                                 "command to redo it")
-        expected = SHARD_TENSORS | shard.id_codec.tensors
+        expected = SHARD_TENSORS | shard.id_codec.tensors | VERSION_TENSORS[int(side["format_version"])]
         n_seq = side["sequences"][1] - side["sequences"][0]
         if shard.names != expected or len(shard) != n_seq or shard.k != self.k \
                 or int(shard.meta.get("vocab", -1)) != self.vocab_size:
@@ -125,7 +126,8 @@ class TopKCache:
                 "teacher_logprobs": torch.from_numpy(seq.logprobs), "log_tail": torch.from_numpy(seq.log_tail),
                 "log_mass": torch.from_numpy(seq.log_mass), "logz": torch.from_numpy(seq.logz),
                 "doc_start": torch.from_numpy(doc_start), "source_index": seq.source_index,
-                "token_offset": seq.token_offset}
+                "token_offset": seq.token_offset,
+                **({} if seq.row_mask is None else {"loss_mask": torch.from_numpy(seq.row_mask)})}
 
     def __getstate__(self):  # pickled into DataLoader workers: shard handles are re-opened there
         state = dict(self.__dict__)
@@ -165,6 +167,11 @@ class TopKCache:
             for a, e in zip(rows[:-1], rows[1:]):
                 starts.append(np.union1d([0], docs[(docs >= a) & (docs < e)] - a).astype(np.int64))
         return starts
+
+    @property
+    def counted_tokens(self) -> int:
+        """Rows that count for KD and CE (chat data: assistant targets; otherwise every row)."""
+        return sum(side.get("counted", side["tokens"]) for side in self.manifest["shards"])
 
     @property
     def max_id(self) -> int | None:

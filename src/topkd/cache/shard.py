@@ -19,7 +19,9 @@ from safetensors.numpy import save
 from topkd.cache import codec, shard_codecs
 from topkd.files import write_atomic
 
-FORMAT_VERSION = 2  # 2: per-token compander scale, exact tempered head mass, shard identity in meta_json
+FORMAT_VERSION = 3  # 3: a per-row loss mask (row_mask, chat data); 2: per-token compander scale, exact tempered
+UNMASKED_VERSION = 2  # head mass, shard identity in meta_json. A shard without row_mask is written as version 2,
+READABLE_VERSIONS = (2, 3)  # byte for byte as before: plain caches keep their bytes, version-2 caches still open
 CODECS = tuple(shard_codecs.CODECS)  # names; the first is the default
 
 
@@ -37,6 +39,7 @@ class TeacherSequence:
     source_index: int = 0  # index of the sequence in the source data
     token_offset: int = 0  # offset of its first token in the source token stream
     log_mass_t: np.ndarray | None = None  # [L, n_temperatures] float32, log sum_k exp(a_k / T - c_T), exact
+    row_mask: np.ndarray | None = None  # [L] bool: row t counts for KD and CE (chat targets); None: every row
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -70,7 +73,12 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
         "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
         "doc_starts": np.concatenate([s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]),
     }
-    meta = {"format_version": str(FORMAT_VERSION), "codec": codec_name, "k": str(k), "vocab": str(vocab),
+    masked = any(s.row_mask is not None for s in seqs)
+    if masked:  # version 3: which rows count (1) and which are context only (0)
+        arrays["row_mask"] = np.concatenate([np.ones(len(s), bool) if s.row_mask is None else s.row_mask
+                                             for s in seqs]).astype(np.uint8)
+    version = FORMAT_VERSION if masked else UNMASKED_VERSION
+    meta = {"format_version": str(version), "codec": codec_name, "k": str(k), "vocab": str(vocab),
             "temperatures": json.dumps([float(t) for t in temperatures])}
     meta.update({key: str(value) for key, value in (identity or {}).items()})
     coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), rows, vocab)
@@ -154,7 +162,8 @@ class ShardReader:
             input_ids=self.rows("input_ids", a, e).astype(np.int64), ids=ids, logprobs=logprobs,
             log_mass=log_mass, log_tail=self.rows("log_tail", a, e), logz=self._logz(logprobs, a, e),
             doc_starts=starts, source_index=int(self.seq_source[j]), token_offset=int(self.seq_token_offset[j]),
-            log_mass_t=self.rows("log_mass_t", a, e))
+            log_mass_t=self.rows("log_mass_t", a, e),
+            row_mask=self.rows("row_mask", a, e).astype(bool) if "row_mask" in self.names else None)
 
     def _logz(self, logprobs: np.ndarray, a: int, e: int) -> np.ndarray:
         """c_T as the decoded rows need it: log sum_k exp(a^_k / T) - log_mass_t, so the decoded head carries

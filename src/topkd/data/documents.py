@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from topkd.data.chat import ChatDocument, chat_document
+
 TEXT_BLOCK_CHARS = 1 << 20  # a large text file is tokenised in blocks of whole lines
 SUFFIXES = (".txt", ".jsonl", ".npy")
 
@@ -32,6 +34,7 @@ class Sequence:
     doc_starts: np.ndarray  # positions in [0, L) where a document begins
     index: int  # sequence number in the source data
     token_offset: int  # offset of tokens[0] in the concatenated token stream
+    row_mask: np.ndarray | None = None  # [L] bool: row t counts (token t + 1 is a target); None: every row
 
 
 def check_paths(paths: list[str]) -> None:
@@ -45,10 +48,12 @@ def check_paths(paths: list[str]) -> None:
                              "pre-tokenised ids as a .npy array")
 
 
-def iter_documents(paths: list[str], tokenizer, text_field: str = "text",
-                   vocab: int | None = None) -> Iterator[np.ndarray | list | Iterator[np.ndarray]]:
-    """One item per document: a token array (.jsonl, 1-D .npy), an iterator of token blocks (.txt, read
-    lazily), or a list of arrays (a 2-D .npy: ready-made sequences). vocab: refuse ids outside [0, vocab)."""
+def iter_documents(paths: list[str], tokenizer, text_field: str = "text", vocab: int | None = None,
+                   messages_field: str = "messages", train_on: str = "assistant"
+                   ) -> Iterator[np.ndarray | list | Iterator[np.ndarray] | ChatDocument]:
+    """One item per document: a token array (.jsonl text, 1-D .npy), a ChatDocument (.jsonl conversation in
+    messages_field, see topkd.data.chat), an iterator of token blocks (.txt, read lazily), or a list of arrays
+    (a 2-D .npy: ready-made sequences). vocab: refuse ids outside [0, vocab)."""
     check_paths(paths)
     for path in paths:
         if path.endswith(".npy"):
@@ -60,13 +65,15 @@ def iter_documents(paths: list[str], tokenizer, text_field: str = "text",
                 _check_ids(path, arr, vocab)
             yield np.asarray(arr, dtype=np.int64) if arr.ndim == 1 else [np.asarray(r, np.int64) for r in arr]
         elif path.endswith(".jsonl"):
-            yield from _jsonl_documents(path, tokenizer, text_field)
+            yield from _jsonl_documents(path, tokenizer, text_field, messages_field, train_on)
         else:
             yield (_encode(tokenizer, block) for block in _text_blocks(path))
 
 
 def whole(document) -> np.ndarray:
     """A document's tokens as one array (a .txt document comes as an iterator of blocks)."""
+    if isinstance(document, ChatDocument):
+        return document.tokens
     if isinstance(document, np.ndarray):
         return document
     parts = list(document)
@@ -98,13 +105,19 @@ def jsonl_records(path: str) -> Iterator[tuple[int, object]]:
             yield line_no, record
 
 
-def _jsonl_documents(path: str, tokenizer, field: str) -> Iterator[np.ndarray]:
+def _jsonl_documents(path: str, tokenizer, field: str, messages_field: str, train_on: str
+                     ) -> Iterator[np.ndarray | ChatDocument]:
+    """A text record is one document; a conversation record (messages_field) is one ChatDocument."""
     for line_no, record in jsonl_records(path):
+        if isinstance(record, dict) and messages_field in record and field not in record:
+            yield chat_document(record[messages_field], tokenizer, train_on, where=f"{path}:{line_no}")
+            continue
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             keys = list(record)[:5] if isinstance(record, dict) else []
             got = type(record[field]).__name__ if isinstance(record, dict) and field in record else "missing"
-            raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r}, got "
-                             f"{type(record).__name__} with keys {keys} ({field}: {got}); set --text-field")
+            raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r} or a conversation "
+                             f"in {messages_field!r}, got {type(record).__name__} with keys {keys} ({field}: {got}); "
+                             "set --text-field or --messages-field")
         yield _encode(tokenizer, record[field])
 
 
@@ -168,31 +181,65 @@ def _encode(tokenizer, text: str) -> np.ndarray:
 
 
 def pack_sequences(documents: Iterable, seq_len: int, separator: int | None) -> Iterator[Sequence]:
-    """Concatenate documents (each followed by the separator) and cut into seq_len sequences."""
+    """Concatenate documents (each followed by the separator) and cut into seq_len sequences. Chat documents
+    carry targets: then every sequence gets a row mask (row t counts iff token t + 1 is a target; the
+    separator after a conversation is not), which needs one token of lookahead across a cut."""
     if seq_len < 2:
         raise ValueError(f"seq_len: expected >= 2, got {seq_len}")
-    stream, pos, starts, offset, index = np.zeros(0, np.int64), 0, [], 0, 0
+    packer = _Packer(seq_len)
     for doc in documents:
         if isinstance(doc, list):  # ready-made sequences: emitted as they are, after any packed remainder
-            if len(stream) > pos:
-                yield Sequence(stream[pos:], _starts_in(starts, offset, offset + len(stream) - pos), index, offset)
-                offset, index, stream, pos, starts = offset + len(stream) - pos, index + 1, stream[:0], 0, []
-            for row in doc:
-                yield Sequence(row, np.array([0]), index, offset)
-                index, offset = index + 1, offset + len(row)
+            yield from packer.flush()
+            yield from packer.ready_made(doc)
             continue
-        starts.append(offset + len(stream) - pos)  # in stream coordinates
-        pieces = [doc] if isinstance(doc, np.ndarray) else doc
-        for piece in itertools.chain(pieces, [None]):  # None: the document's end, where the separator goes
-            tail = piece if piece is not None else ([separator] if separator is not None else [])
-            stream, pos = np.concatenate([stream[pos:], np.asarray(tail, dtype=np.int64)]), 0
-            while len(stream) - pos >= seq_len:
-                yield Sequence(stream[pos:pos + seq_len], _starts_in(starts, offset, offset + seq_len), index,
-                               offset)
-                starts = [s for s in starts if s >= offset + seq_len]
-                pos, offset, index = pos + seq_len, offset + seq_len, index + 1
-    if len(stream) > pos:
-        yield Sequence(stream[pos:], _starts_in(starts, offset, offset + len(stream) - pos), index, offset)
+        packer.start_document()
+        chat = isinstance(doc, ChatDocument)
+        pieces = [doc.tokens] if chat else [doc] if isinstance(doc, np.ndarray) else doc
+        for n, piece in enumerate(itertools.chain(pieces, [None])):  # None: the end, where the separator goes
+            if piece is None:
+                tokens = np.asarray([separator] if separator is not None else [], dtype=np.int64)
+                targets = np.full(len(tokens), not chat)  # after a conversation the separator is no target
+            else:
+                tokens = np.asarray(piece, dtype=np.int64)
+                targets = doc.targets if chat else np.ones(len(tokens), dtype=bool)
+            yield from packer.add(tokens, targets, masked=chat)
+    yield from packer.flush()
+
+
+class _Packer:
+    """The token stream being cut into sequences, with document starts and (chat data) per-token targets."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len, self.stream, self.targets = seq_len, np.zeros(0, np.int64), np.zeros(0, bool)
+        self.starts: list[int] = []  # in stream coordinates
+        self.offset, self.index, self.masked = 0, 0, False
+
+    def start_document(self) -> None:
+        self.starts.append(self.offset + len(self.stream))
+
+    def add(self, tokens: np.ndarray, targets: np.ndarray, masked: bool) -> Iterator[Sequence]:
+        self.masked = self.masked or masked
+        self.stream = np.concatenate([self.stream, tokens])
+        self.targets = np.concatenate([self.targets, targets])
+        while len(self.stream) > self.seq_len:  # one token beyond the cut: the last row's target is known
+            yield self._emit(self.seq_len, self.targets[1:self.seq_len + 1])
+
+    def flush(self) -> Iterator[Sequence]:
+        if len(self.stream):  # the last row of the data predicts nothing in it
+            yield self._emit(len(self.stream), np.concatenate([self.targets[1:], [False]]))
+
+    def ready_made(self, rows: list) -> Iterator[Sequence]:
+        for row in rows:
+            yield Sequence(row, np.array([0]), self.index, self.offset)
+            self.index, self.offset = self.index + 1, self.offset + len(row)
+
+    def _emit(self, n: int, row_targets: np.ndarray) -> Sequence:
+        seq = Sequence(self.stream[:n], _starts_in(self.starts, self.offset, self.offset + n), self.index,
+                       self.offset, row_targets.copy() if self.masked else None)
+        self.starts = [s for s in self.starts if s >= self.offset + n]
+        self.stream, self.targets = self.stream[n:], self.targets[n:]
+        self.offset, self.index = self.offset + n, self.index + 1
+        return seq
 
 
 def _starts_in(starts: list[int], a: int, e: int) -> np.ndarray:

@@ -107,7 +107,7 @@ class SampleStream:
         ids = row["input_ids"][a:e]
         doc_start = row["doc_start"][a:e].clone()
         doc_start[0] = True  # a piece cut mid-sequence starts a fresh context: the student sees less than the teacher
-        mask = torch.ones(e - a, dtype=torch.bool)
+        mask = row["loss_mask"][a:e].clone() if "loss_mask" in row else torch.ones(e - a, dtype=torch.bool)
         if self.separator is not None:
             mask &= ids != self.separator  # the separator's row predicts the next document's first token
         labels = torch.full((e - a,), -100, dtype=torch.long)

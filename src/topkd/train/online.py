@@ -68,9 +68,10 @@ class OnlineTeacher:
         rows = self.teacher.sequence_rows([seq], self.k, temps, 1)[0] if self.k else self._full_rows(ids, pos, temps)
         doc_start = torch.zeros(len(seq.tokens), dtype=torch.bool)
         doc_start[torch.from_numpy(seq.doc_starts)] = True
+        mask = {} if seq.row_mask is None else {"loss_mask": torch.from_numpy(seq.row_mask)}  # chat: as the cache
         return {"input_ids": ids[0].cpu(), "teacher_ids": torch.as_tensor(rows["ids"]),
                 "teacher_logprobs": torch.as_tensor(rows["logprobs"]), "logz": torch.as_tensor(rows["logz"]),
-                "doc_start": doc_start}
+                "doc_start": doc_start, **mask}
 
     @torch.no_grad()  # not inference_mode: these rows go into the autograd graph of the student's loss
     def _full_rows(self, ids: torch.Tensor, pos: torch.Tensor, temps: tuple[float, ...]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,82 @@
+"""Chat conversations -> token ids and which tokens are training targets (assistant turns only, or all).
+
+    doc = chat_document(messages, tokenizer, train_on="assistant")   # ChatDocument(tokens, targets)
+
+A conversation is a list of {"role", "content"} messages (the OpenAI / Hugging Face shape), rendered
+with the tokenizer's chat template (or one given as a Jinja file) into one document. With
+train_on="assistant" a token is a target when it lies in an assistant turn's text as the template
+renders it: the reply and its end-of-turn token (e.g. <|im_end|>), not the role header the template
+adds before it, nor the whitespace after the end of the turn. The teacher still reads the whole
+conversation as context; only which rows count changes. Spans are found by rendering prefixes of the
+conversation (the text up to the assistant's header, then up to the end of its turn), so the template must
+render a conversation's prefix as a prefix of the whole; one that rewrites earlier turns is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TRAIN_ON = ("assistant", "all")
+
+
+@dataclass
+class ChatDocument:
+    tokens: np.ndarray  # [L] int64
+    targets: np.ndarray  # [L] bool: this token is a training target (its preceding row counts)
+
+
+def check_messages(messages, where: str) -> None:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+    if not ok:
+        raise ValueError(f"{where}: expected a non-empty list of {{\"role\": str, \"content\": str}} messages, got "
+                         f"{str(messages)[:80]!r}; set --messages-field, or use text data")
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
+    """Character spans [a, e) of the assistant turns in the rendered text (reply + end-of-turn token)."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(tokenizer, messages[:i], True), render(tokenizer, messages[: i + 1])
+        if not (text.startswith(through) and through.startswith(before)):
+            raise ValueError(f"{where}: the chat template renders turn {i} differently inside the whole conversation "
+                             "(it rewrites earlier turns), so assistant tokens cannot be located; pass "
+                             "--chat-template with a prefix-stable template, or --train-on all")
+        spans.append((len(before), len(through.rstrip())))
+    return spans
+
+
+def chat_document(messages: list[dict], tokenizer, train_on: str = "assistant", where: str = "chat") -> ChatDocument:
+    check_messages(messages, where)
+    check_chat_tokenizer(tokenizer)
+    text = render(tokenizer, messages)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    tokens = np.asarray(encoded["input_ids"], dtype=np.int64)
+    if train_on == "all":
+        return ChatDocument(tokens, np.ones(len(tokens), dtype=bool))
+    starts = np.asarray([a for a, _ in encoded["offset_mapping"]], dtype=np.int64)
+    targets = np.zeros(len(tokens), dtype=bool)
+    for a, e in assistant_spans(tokenizer, messages, text, where):
+        targets |= (starts >= a) & (starts < e)
+    return ChatDocument(tokens, targets)
+
+
+def check_chat_tokenizer(tokenizer, template_file: str = "") -> None:
+    """A tokenizer that can render and locate chat turns: a template (its own, or --chat-template), and offsets."""
+    if template_file:
+        with open(template_file, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat data: expected a tokenizer with a chat template, got one without; pass "
+                         "--chat-template FILE (a Jinja template)")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("chat data: expected a fast (Rust) tokenizer, which maps tokens to text offsets, got "
+                         f"{type(tokenizer).__name__}; save the teacher with its tokenizer.json")

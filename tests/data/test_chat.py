@@ -1,0 +1,101 @@
+"""Chat conversations: rendered with the teacher's template, one conversation per document, and only the
+assistant turns (with their end-of-turn token) counted, checked by hand on a tiny tokenizer with a template;
+the cache records the mask (format version 3), and training, TopKDataset and eval honour it."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import cache_config
+from topkd.cache import TopKCache, build
+from topkd.data import TopKDataset
+from topkd.data.chat import chat_document
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "the cat"}, {"role": "user", "content": "and then"},
+                {"role": "assistant", "content": "a dog"}]
+
+
+@pytest.fixture(scope="module")
+def chat_teacher(teacher_dir, tmp_path_factory):
+    """The tiny teacher with ChatML's two special tokens added (embedding rows grown to match) and a template."""
+    out = tmp_path_factory.mktemp("chat-teacher")
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def _targets_text(tok, doc) -> str:
+    return tok.decode(doc.tokens[doc.targets].tolist(), skip_special_tokens=False)
+
+
+def test_only_assistant_replies_and_their_end_of_turn_are_targets(chat_teacher):
+    tok = AutoTokenizer.from_pretrained(chat_teacher)
+    doc = chat_document(CONVERSATION, tok, "assistant")
+    assert tok.decode(doc.tokens.tolist()) == tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert _targets_text(tok, doc) == "the cat<|im_end|>a dog<|im_end|>"  # by hand: replies + end of turn
+    reply_tokens = [len(tok("the cat<|im_end|>", add_special_tokens=False)["input_ids"]),
+                    len(tok("a dog<|im_end|>", add_special_tokens=False)["input_ids"])]
+    assert int(doc.targets.sum()) == sum(reply_tokens)
+    assert chat_document(CONVERSATION, tok, "all").targets.all()
+
+
+def test_refusals_name_the_line_and_the_remedy(chat_teacher, teacher_dir):
+    tok = AutoTokenizer.from_pretrained(chat_teacher)
+    with pytest.raises(ValueError, match=r"c.jsonl:3: expected a non-empty list of"):
+        chat_document([{"role": "user"}], tok, where="c.jsonl:3")
+    with pytest.raises(ValueError, match="expected a tokenizer with a chat template.*--chat-template"):
+        chat_document(CONVERSATION, AutoTokenizer.from_pretrained(teacher_dir))
+    rewriting = AutoTokenizer.from_pretrained(chat_teacher)
+    rewriting.chat_template = "{% for m in messages %}{{ m['content'] }}{{ messages|length }}{% endfor %}"
+    with pytest.raises(ValueError, match="renders turn 2 differently.*--train-on all"):
+        chat_document(CONVERSATION, rewriting)
+
+
+def test_a_chat_cache_counts_exactly_the_assistant_tokens(chat_teacher, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    talks = [CONVERSATION, CONVERSATION[:3], [{"role": "user", "content": "why"}, {"role": "assistant", "content":
+                                                                                     "because the cat said so"}]]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in talks))
+    build(cache_config(chat_teacher, str(data), tmp_path / "cache", seq_len=24, temperatures=[]))
+    cache = TopKCache(str(tmp_path / "cache"))
+    tok = AutoTokenizer.from_pretrained(chat_teacher)
+    expected = [chat_document(m, tok) for m in talks]
+    assert cache.manifest["format_version"] == 3
+    assert cache.counted_tokens == sum(int(d.targets.sum()) for d in expected)  # the separator is no target
+    ids = torch.cat([cache[i]["input_ids"] for i in range(len(cache))])
+    counted = torch.cat([cache[i]["loss_mask"] for i in range(len(cache))])
+    following = ids[1:][counted[:-1]]  # the tokens counted rows predict (none is predicted past the data)
+    assert not counted[-1]
+    assert tok.decode(following.tolist()) == "".join(_targets_text(tok, d) for d in expected)
+    item_counts = sum(int(TopKDataset(cache, seq_len=24)[i]["kd_mask"].sum()) for i in range(3))
+    assert 0 < item_counts <= cache.counted_tokens
+    samples = [TopKDataset(cache, seq_len=24)[i] for i in range(len(TopKDataset(cache, seq_len=24)))]
+    assert sum(int(s["kd_mask"].sum()) for s in samples) == cache.counted_tokens
+    assert all(((s["labels"] >= 0) <= s["kd_mask"]).all() for s in samples)  # CE only where KD counts
+
+
+def test_training_counts_only_assistant_tokens_online_as_offline(chat_teacher, tmp_path):
+    """topkd train on the chat cache and in online mode on the same JSONL: the same counted tokens per step."""
+    from tests.train.runs import config
+    from topkd.train import train
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CONVERSATION}) + "\n" for _ in range(6)))
+    build(cache_config(chat_teacher, str(data), tmp_path / "cache", seq_len=24, temperatures=[]))
+    train(config(str(tmp_path / "cache"), tmp_path / "offline", steps=2, seq_len=24))
+    online = config("", tmp_path / "online", steps=2, seq_len=24, teacher=chat_teacher, data=[str(data)],
+                    online_k=16)
+    train(online)
+    rows = [[json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")] for run in ("offline", "online")]
+    assert [r["tokens"] for r in rows[0]] == [r["tokens"] for r in rows[1]]
+    counted = TopKCache(str(tmp_path / "cache")).counted_tokens
+    assert 0 < sum(r["tokens"] for r in rows[0]) <= counted < TopKCache(str(tmp_path / "cache")).tokens
