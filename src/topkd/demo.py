@@ -9,8 +9,9 @@ once as a Hugging Face directory); a top-K cache over Shakespeare's plays
 and one over held-out Hamlet; a student cut from the teacher trained with the fused KD loss,
 and the same student trained with cross entropy only on the same tokens; then teacher,
 untrained student, KD student and CE student scored on held-out Hamlet (bits per byte) and
-against the held-out cache (KL to the teacher, top-1 agreement). Writes report.txt,
-report.json and demo.png in --out.
+against the held-out cache (KL to the teacher, top-1 agreement); then the chat step (topkd.demo_chat):
+a chat set made from the plays, distilled with assistant-only targets, KD vs CE scored on held-out
+assistant tokens. Writes report.txt, report.json and demo.png in --out.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from topkd.cache import CacheBuildConfig, TopKCache, build
 from topkd.cache.teacher import load_teacher
+from topkd.demo_chat import run_chat_step
 from topkd.demo_report import write_report
 from topkd.eval.run import EvalConfig, run_eval
 from topkd.stamp import stamp
@@ -57,8 +59,10 @@ DEMO_HELP = {
 def sizes(cfg: DemoConfig) -> dict:
     """Token budgets: the full demo fits 15 minutes on 2 CPU cores, --quick about 2."""
     if cfg.quick:
-        return {"train_seqs": 16, "heldout_seqs": 4, "steps": 12, "batch_size": 2, "warmup": 2}
-    return {"train_seqs": 192, "heldout_seqs": 32, "steps": 80, "batch_size": 4, "warmup": 8}
+        return {"train_seqs": 16, "heldout_seqs": 4, "steps": 12, "batch_size": 2, "warmup": 2, "chat_train": 24,
+                "chat_heldout": 8}
+    return {"train_seqs": 192, "heldout_seqs": 32, "steps": 80, "batch_size": 4, "warmup": 8, "chat_train": 600,
+            "chat_heldout": 80}
 
 
 def check_config(cfg: DemoConfig) -> None:
@@ -94,7 +98,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     scores = {}
     for name, path in models.items():
         scores[name] = _step(timings, f"eval {name}", lambda nm=name, p=path: evaluate(cfg, nm, p, heldout, n))
-    report = make_report(cfg, scores, timings)
+    chat = run_chat_step(cfg.out, teacher_dir, init_dir, train_files, heldout, n, cfg.seq_len, cfg.k,
+                         lambda name, fn: _step(timings, name, fn))
+    report = {**make_report(cfg, scores, timings), **({"chat": chat} if chat else {})}
     write_report(cfg.out, report)
     return report
 

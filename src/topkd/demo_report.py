@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from topkd.demo_chat import chat_lines
 from topkd.progress import wrote
 
 MODELS = ("teacher", "student-init", "student-kd", "student-ce")
@@ -26,6 +27,8 @@ def summary_lines(report: dict) -> list[str]:
         v = m.get("vs_teacher", {})
         lines.append(f"{name:<16}{m['text']['bits_per_byte']:>11.4f}{v.get('kl_bucket', float('nan')):>11.4f}"
                      f"{v.get('kl_renorm', float('nan')):>11.4f}{v.get('top1_agreement', float('nan')):>13.3f}")
+    if "chat" in report:
+        lines += ["", *chat_lines(report["chat"])]
     lines.append("")
     lines.append("step times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in report["timings_s"].items()))
     return lines

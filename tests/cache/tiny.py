@@ -45,3 +45,21 @@ def make_teacher(path: str, vocab: int = 1000, hidden: int = 32, layers: int = 2
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return path
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_chat_teacher(teacher_dir: str, path: str) -> str:
+    """The tiny teacher with ChatML's two special tokens added (embedding rows grown to match) and a template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -5,15 +5,14 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from tests.cache.tiny import make_chat_teacher
 from tests.conftest import cache_config
 from topkd.cache import TopKCache, build
 from topkd.data import TopKDataset
 from topkd.data.chat import chat_document
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
                 {"role": "assistant", "content": "the cat"}, {"role": "user", "content": "and then"},
                 {"role": "assistant", "content": "a dog"}]
@@ -21,16 +20,7 @@ CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "con
 
 @pytest.fixture(scope="module")
 def chat_teacher(teacher_dir, tmp_path_factory):
-    """The tiny teacher with ChatML's two special tokens added (embedding rows grown to match) and a template."""
-    out = tmp_path_factory.mktemp("chat-teacher")
-    tok = AutoTokenizer.from_pretrained(teacher_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
-    model.resize_token_embeddings(len(tok))
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    return make_chat_teacher(teacher_dir, str(tmp_path_factory.mktemp("chat-teacher")))
 
 
 def _targets_text(tok, doc) -> str:

@@ -5,20 +5,24 @@ import os
 import pytest
 
 from tests.assets import PLAYS, SMOLLM2, asset
-from tests.cache.tiny import make_text
+from tests.cache.tiny import make_chat_teacher, make_text
 from topkd.demo import DemoConfig, run_demo
 
 
 def plays(tmp_path):
+    """Fake plays in the Gutenberg layout: speeches are blocks headed by an abbreviated speaker name."""
     texts = tmp_path / "texts"
     texts.mkdir()
     for i, name in enumerate(["hamlet_gut.txt", "lear_gut.txt", "macbeth_gut.txt", "lear_gut_f.txt"]):
-        (texts / name).write_text(make_text(900, seed=i))
+        words = make_text(900, seed=i).split()
+        blocks = [f"{('Ham.', 'Hor.', 'Mar.')[j % 3]}\n{' '.join(words[j * 12:(j + 1) * 12])}" for j in range(75)]
+        (texts / name).write_text("\n\n".join(blocks) + "\n")
     return str(texts)
 
 
 def test_quick_demo_runs_every_step_and_reports(teacher_dir, tmp_path, capsys):
-    cfg = DemoConfig(out=str(tmp_path / "demo"), quick=True, teacher=teacher_dir, texts=plays(tmp_path), layers=1,
+    teacher = make_chat_teacher(teacher_dir, str(tmp_path / "chat-teacher"))
+    cfg = DemoConfig(out=str(tmp_path / "demo"), quick=True, teacher=teacher, texts=plays(tmp_path), layers=1,
                      seq_len=32, k=16)
     report = run_demo(cfg)
     assert set(report["models"]) == {"teacher", "student-init", "student-kd", "student-ce"}
@@ -27,7 +31,12 @@ def test_quick_demo_runs_every_step_and_reports(teacher_dir, tmp_path, capsys):
     assert kl["student-kd"] < kl["student-init"]  # distillation moved the student towards the teacher
     for name in ("report.txt", "report.json", "demo.png", "timings.json"):
         assert os.path.getsize(tmp_path / "demo" / name) > 0
+    chat = report["chat"]
+    assert 0 < chat["counted_fraction"] < 1 and chat["conversations"] == {"train": 24, "heldout": 8}
+    assert set(chat["models"]) == {"teacher", "student-init", "student-kd", "student-ce"}
+    assert chat["models"]["teacher"]["kl_bucket"] < 1e-3 < chat["models"]["student-init"]["kl_bucket"]
     assert "bits/byte" in capsys.readouterr().out
+    assert "held-out chat" in (tmp_path / "demo" / "report.txt").read_text()
     again = run_demo(cfg)  # every step is done: a rerun only re-reads and re-reports
     assert again["models"] == json.loads(json.dumps(report["models"]))
 

@@ -197,6 +197,7 @@ def measure_loading(shape: str, tokens: int, size: int, layers: int, repeats: in
 def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None:
     """A real rice-zstd cache (the build's writer) holding synthetic teacher rows."""
     from topkd.cache import manifest as mf
+    from topkd.cache.build import shard_facts
     from topkd.cache.shard import TeacherSequence, encode_shard, write_shard
 
     os.makedirs(os.path.join(root, "shards"))
@@ -218,7 +219,7 @@ def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None
     arrays, meta = encode_shard(seqs, vocab=vocab, codec_name="rice-zstd",
                                 identity={"build_hash": build_hash, "shard": 0, "sequences": f"0,{n_seqs}"})
     nbytes = write_shard(mf.shard_path(root, 0), arrays, meta)
-    side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, build_hash)
+    side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, build_hash, **shard_facts(seqs, meta))
     mf.write_manifest(root, fingerprint, build, [side])
 
 
