@@ -41,10 +41,10 @@ class KDTrainerMixin:
 
     def __init__(self, *args, divergence: str = "kl", tail: str = "bucket", temperature: float = 1.0,
                  beta: float = 0.5, ce_weight: float = 0.0, impl: str = "fused", chunk_size: int | None = None,
-                 top_k: int = 0, **kwargs):
+                 top_k: int = 0, fold_beyond_vocab: bool = False, **kwargs):
         self.kd_options = LossOptions(divergence=divergence, tail=tail, temperature=temperature, beta=beta,
                                       ce_weight=ce_weight, reduction="sum", impl=impl, chunk_size=chunk_size)
-        self.kd_top_k = top_k
+        self.kd_top_k, self.kd_fold = top_k, fold_beyond_vocab
         if kwargs.get("data_collator") is None:
             kwargs["data_collator"] = collate
         super().__init__(*args, **kwargs)
@@ -78,7 +78,7 @@ class KDTrainerMixin:
         hidden = final_hidden_states(model, inputs)
         with loss_parts() as parts:
             total = batch_loss(head_model(model), hidden, inputs, self.kd_options, self.kd_teacher_vocab(),
-                               self.kd_top_k)
+                               self.kd_top_k, fold_beyond_vocab=self.kd_fold)
         tokens = inputs["kd_mask"].sum() if num_items_in_batch is None else num_items_in_batch
         loss = total / tokens.clamp(min=1)
         if self.args.world_size > 1:

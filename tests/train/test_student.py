@@ -60,6 +60,45 @@ def test_a_qwen_shaped_pair_trains_the_smaller_head(teacher_dir, text_file, tmp_
                  steps=3, seq_len=24))
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").get_output_embeddings().weight.shape[0] \
         == 1000
+    student.resize_token_embeddings(cache.max_id)  # now some cached teacher ids lie beyond the student's head
+    student.save_pretrained(tmp_path / "smaller")
+    AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(tmp_path / "smaller")
+    smaller = dict(init_from_teacher=False, student=str(tmp_path / "smaller"), steps=2, seq_len=24)
+    with pytest.raises(ValueError, match=rf"largest: {cache.max_id}\), got {cache.max_id}"):
+        train(config(str(tmp_path / "cache"), tmp_path / "refused", **smaller))
+    train(config(str(tmp_path / "cache"), tmp_path / "folded", fold_beyond_vocab=True, **smaller))
+
+
+def test_folding_ids_beyond_the_student_is_exact_in_the_bucket_loss():
+    """fold_beyond == the bucket KL (float64, by hand) with the teacher's mass on ids >= V_student in the tail."""
+    from topkd.loss.options import LossOptions
+    from topkd.train.student import batch_loss
+
+    g = torch.Generator().manual_seed(0)
+    n, k, v_teacher, v_student, h = 7, 6, 50, 40, 8
+    ids = torch.stack([torch.randperm(v_teacher, generator=g)[:k] for _ in range(n)])
+    ids[0, :3] = torch.tensor([45, 46, 47])  # a row with several folded entries
+    logprobs = torch.log_softmax(torch.randn(n, v_teacher, generator=g) * 2, -1).gather(1, ids)
+    hidden, weight = torch.randn(1, n, h, generator=g), torch.randn(v_student, h, generator=g, requires_grad=True)
+
+    class Student(torch.nn.Module):
+        config = type("C", (), {})()
+
+        def get_output_embeddings(self):
+            return type("Head", (), {"weight": weight, "bias": None})()
+
+    batch = {"teacher_ids": ids[None], "teacher_logprobs": logprobs[None], "kd_mask": torch.ones(1, n, dtype=bool)}
+    loss = batch_loss(Student(), hidden, batch, LossOptions(reduction="sum"), fold_beyond_vocab=True)
+    loss.backward()
+    q = torch.softmax(hidden[0].double() @ weight.detach().double().T, -1)
+    expected = 0.0
+    for row in range(n):
+        kept = ids[row] < v_student
+        p, qk = logprobs[row][kept].double().exp(), q[row, ids[row][kept]]
+        p_tail, q_tail = 1 - p.sum(), 1 - qk.sum()
+        expected += float((p * (p / qk).log()).sum() + p_tail * (p_tail / q_tail).log())
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert weight.grad.shape == (v_student, h) and torch.isfinite(weight.grad).all()
 
 
 def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_path):

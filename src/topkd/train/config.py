@@ -55,6 +55,7 @@ class TrainConfig:
     lora_targets: list[str] = field(default_factory=list)
     merge: bool = False
     report_to: str = "none"
+    fold_beyond_vocab: bool = False
 
 
 TRAIN_HELP = {
@@ -103,6 +104,8 @@ TRAIN_HELP = {
     "lora_alpha": "LoRA scaling alpha (0: twice the rank)",
     "lora_targets": "comma-separated module names that get adapters (empty: every Linear layer but lm_head)",
     "merge": "with --lora-rank: also fold the adapters into the weights and write that model to final/",
+    "fold_beyond_vocab": "a student head smaller than the cache's teacher ids: fold the teacher's mass on ids "
+                         "beyond it into the tail bucket (exact in the bucket loss) instead of refusing the student",
     "report_to": "none | tensorboard (event files in OUT/tensorboard) | wandb (offline unless WANDB_MODE says "
                  "otherwise), beside metrics.jsonl",
 }

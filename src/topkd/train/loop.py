@@ -58,7 +58,8 @@ def train(cfg: TrainConfig) -> dict:
     options = loss_options(cfg)
     stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, options), cfg.packing)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
-                       cfg.objective, cfg.top_k, torch.bfloat16 if cfg.autocast_bf16 else torch.float32)
+                       cfg.objective, cfg.top_k, torch.bfloat16 if cfg.autocast_bf16 else torch.float32,
+                       cfg.fold_beyond_vocab)
     shard_student(module, bf16=cfg.autocast_bf16)
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 GEMM left (a fp32 run's body) on tensor cores

@@ -29,13 +29,16 @@ class Student:
 
 
 def load_student(cfg, source: TopKCache) -> Student:
-    """The student of cfg, checked against the source's teacher (a TopKCache or an OnlineTeacher)."""
+    """The student of cfg, checked against the source's teacher (a TopKCache or an OnlineTeacher); with
+    cfg.fold_beyond_vocab a head smaller than the cache's ids is accepted (batch_loss folds them)."""
     if cfg.init_from_teacher:
         teacher = source.load_teacher()
         model, tokenizer = cut_layers(teacher.model, cfg.layers), teacher.tokenizer
     else:
         model, tokenizer = load_causal_lm(cfg.student, "float32", "cpu", role="student")
-    source.check_student(vocab_size=model.get_output_embeddings().weight.shape[0], tokenizer=tokenizer)
+    rows = model.get_output_embeddings().weight.shape[0]
+    source.check_student(vocab_size=max(rows, source.vocab_size) if cfg.fold_beyond_vocab else rows,
+                         tokenizer=tokenizer)
     model.config.use_cache = False
     return Student(model=model.float().train(), tokenizer=tokenizer)
 
@@ -66,7 +69,7 @@ class KDStudent(nn.Module):
 
     def __init__(self, model: nn.Module, teacher_vocab: int, options: LossOptions | dict,
                  activation_checkpointing: bool = False, objective: str = "kd", top_k: int = 0,
-                 head_dtype: torch.dtype = torch.float32):
+                 head_dtype: torch.dtype = torch.float32, fold_beyond_vocab: bool = False):
         super().__init__()
         options = options if isinstance(options, LossOptions) else LossOptions(**{"reduction": "sum", **options})
         softcap = getattr(model.config, "final_logit_softcapping", None) or None  # Gemma-2 style: the loss caps too
@@ -78,18 +81,19 @@ class KDStudent(nn.Module):
         self.options = dataclasses.replace(options, softcap=softcap)
         self.objective, self.top_k = objective, top_k or None
         self.head_dtype = head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
+        self.fold_beyond_vocab = fold_beyond_vocab
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = final_hidden(self.model, batch["input_ids"], batch["position_ids"])
         return batch_loss(self.model, hidden, batch, self.options, self.teacher_vocab, self.top_k or 0,
-                          self.head_dtype, self.objective)
+                          self.head_dtype, self.objective, self.fold_beyond_vocab)
 
 
 def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Tensor], options: LossOptions,
                teacher_vocab: int | None = None, top_k: int = 0, head_dtype: torch.dtype = torch.float32,
-               objective: str = "kd") -> torch.Tensor:
+               objective: str = "kd", fold_beyond_vocab: bool = False) -> torch.Tensor:
     """The summed KD (+ CE) loss of a batch's counted tokens from the student's final hidden states and its head
     (topkd train's KDStudent and topkd.hf's trainer both end here). An FSDP2-sharded head weight (a DTensor) is
     gathered with a gradient back to its shards; rows beyond the teacher's vocabulary are left out."""
@@ -106,9 +110,31 @@ def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Te
     logz = batch["teacher_logz"] if opts.needs_logz else None
     labels = batch["labels"] if opts.needs_labels else None
     keep = top_k or None
-    return fused_linear_kd(hidden.to(head_dtype), weight, batch["teacher_ids"][..., :keep],
-                           batch["teacher_logprobs"][..., :keep], mask=batch["kd_mask"], teacher_logz=logz,
+    ids, logprobs = batch["teacher_ids"][..., :keep], batch["teacher_logprobs"][..., :keep]
+    if fold_beyond_vocab:
+        weight, bias, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
+    return fused_linear_kd(hidden.to(head_dtype), weight, ids, logprobs, mask=batch["kd_mask"], teacher_logz=logz,
                            labels=labels, bias=bias, **{**opts.kwargs(), "reduction": "sum"})
+
+
+FOLDED_LOGIT = -1e4  # exp underflows to exactly 0 in fp32, while its log stays finite (no 0 * inf)
+
+
+def fold_beyond(weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, logprobs: torch.Tensor):
+    """Teacher ids beyond the student's vocabulary folded into the tail bucket, exactly: each such entry points
+    to a phantom head row whose logit is FOLDED_LOGIT (student probability 0) and gets teacher probability 0, so
+    its teacher mass lands in the tail (1 - the kept mass) and no student mass moves. Costs a copy of the head
+    weight with up to K extra rows, only in batches that hold such ids."""
+    vocab = weight.shape[0]
+    beyond = ids >= vocab
+    if not bool(beyond.any()):
+        return weight, bias, ids, logprobs
+    extra = int(beyond.sum(-1).max())
+    ids = torch.where(beyond, vocab + beyond.cumsum(-1) - 1, ids)  # distinct phantom rows per token
+    logprobs = torch.where(beyond, torch.full_like(logprobs, FOLDED_LOGIT), logprobs)
+    weight = torch.cat([weight, weight.new_zeros(extra, weight.shape[1])])
+    base = bias if bias is not None else weight.new_zeros(vocab)
+    return weight, torch.cat([base, base.new_full((extra,), FOLDED_LOGIT)]), ids, logprobs
 
 
 def _gathered(param: torch.Tensor) -> torch.Tensor:
