@@ -51,7 +51,9 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_bpb, ax_kl) = plt.subplots(1, 3, figsize=(13, 3.8))
+    chat = report.get("chat")
+    fig, axes = plt.subplots(1, 4 if chat else 3, figsize=(17 if chat else 13, 3.8))
+    ax_loss, ax_bpb, ax_kl = axes[:3]
     for name, t in report["training"].items():
         ax_loss.plot(range(1, len(t["curve"]) + 1), t["curve"], label=name)
     ax_loss.set_xlabel("step")
@@ -64,9 +66,13 @@ def plot(report: dict, path: str) -> None:
     ax_kl.bar(names, [report["models"][n].get("vs_teacher", {}).get("kl_bucket", 0.0) for n in names],
               color="tab:orange")
     ax_kl.set_ylabel("held-out KL(teacher || model), nats/token")
-    for ax in (ax_bpb, ax_kl):
+    if chat:  # the chat step: KL on held-out assistant tokens
+        chat_names = [n for n in MODELS if n in chat["models"]]
+        axes[3].bar(chat_names, [chat["models"][n]["kl_bucket"] for n in chat_names], color="tab:green")
+        axes[3].set_ylabel("held-out chat KL, assistant tokens")
+    for ax in axes[1:]:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    for ax in (ax_loss, ax_bpb, ax_kl):
+    for ax in axes:
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
