@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.cache.tiny import make_chat_teacher
 from tests.conftest import cache_config
@@ -89,3 +89,17 @@ def test_training_counts_only_assistant_tokens_online_as_offline(chat_teacher, t
     assert [r["tokens"] for r in rows[0]] == [r["tokens"] for r in rows[1]]
     counted = TopKCache(str(tmp_path / "cache")).counted_tokens
     assert 0 < sum(r["tokens"] for r in rows[0]) <= counted < TopKCache(str(tmp_path / "cache")).tokens
+
+
+def test_eval_text_scores_a_conversation_on_its_assistant_turns(chat_teacher, tmp_path):
+    """topkd eval --text on chat JSONL: scored tokens are the assistant targets (their bytes too), not the rest."""
+    from topkd.eval.text import evaluate_text
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    tok = AutoTokenizer.from_pretrained(chat_teacher)
+    model = AutoModelForCausalLM.from_pretrained(chat_teacher)
+    result = evaluate_text(model, tok, [str(data)], seq_len=64)
+    doc = chat_document(CONVERSATION, tok)
+    assert result["scored_tokens"] == int(doc.targets.sum())
+    assert result["bytes"] == len(_targets_text(tok, doc).encode())
