@@ -126,8 +126,6 @@ def build(cfg: CacheBuildConfig) -> dict:
     teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
         VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
     check_teacher_fits(teacher, cfg)
-    if cfg.chat_template:
-        check_chat_tokenizer(teacher.tokenizer, cfg.chat_template)  # conversations render with this template
     me, builders = cfg.part * world + rank, cfg.parts * world
     total = _count_tokens(teacher, cfg, me, builders)  # also refuses empty or out-of-vocabulary data
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)  # only once the inputs are known to be usable
@@ -169,7 +167,10 @@ def build(cfg: CacheBuildConfig) -> dict:
 
 
 def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
-    """Settings the teacher itself bounds: K within its vocabulary, sequences within its positions."""
+    """Settings the teacher itself bounds: K within its vocabulary, sequences within its positions, a chat
+    template its tokenizer can render conversations with (--chat-template replaces its own)."""
+    if cfg.chat_template:
+        check_chat_tokenizer(teacher.tokenizer, cfg.chat_template)
     if not 1 <= cfg.k <= teacher.vocab:
         raise ValueError(f"k: expected 1 <= k <= vocab size {teacher.vocab}, got {cfg.k}")
     config = getattr(getattr(teacher, "model", None), "config", None)

@@ -34,7 +34,7 @@ from topkd.progress import progress
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, logz_column, loss_options
-from topkd.train.lora import add_adapters, save_lora_student
+from topkd.train.lora import save_lora_student
 from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
 from topkd.train.report import open_reporter
@@ -53,8 +53,6 @@ def train(cfg: TrainConfig) -> dict:
     check_top_k(cfg.top_k, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
-    if cfg.lora_rank:
-        student.model = add_adapters(student.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     options = loss_options(cfg)
     stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, options), cfg.packing)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
@@ -82,11 +80,7 @@ def train(cfg: TrainConfig) -> dict:
             json.dump({**asdict(cfg), "world_size": world}, f, indent=1)
     row = run_steps(module, stream, optimizer, scheduler, cfg, state, resumed)
     ckpt.save(cfg.out, module, optimizer, scheduler, state)
-    if cfg.lora_rank:
-        save_lora_student(student.model, student.tokenizer, os.path.join(cfg.out, "final"), cfg.merge,
-                          base_dir=cfg.student or None)
-    else:
-        save_final(module, student, os.path.join(cfg.out, "final"))
+    save_final(module, student, cfg)
     if rank == 0:
         plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"))
         print(f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
@@ -161,8 +155,13 @@ def check_top_k(top_k: int, source) -> None:
                          "with a larger --k")
 
 
-def save_final(module: KDStudent, student, path: str) -> None:
-    """save_pretrained of the unsharded student (safetensors), written by rank 0."""
+def save_final(module: KDStudent, student, cfg: TrainConfig) -> None:
+    """save_pretrained of the unsharded student (safetensors) in OUT/final, written by rank 0; a LoRA student's
+    adapters (and base, or the merged model) instead (topkd.train.lora)."""
+    path = os.path.join(cfg.out, "final")
+    if cfg.lora_rank:  # one process only (refused under torchrun): the module's weights are the student's
+        save_lora_student(student.model, student.tokenizer, path, cfg.merge, base_dir=cfg.student or None)
+        return
     weights = full_state_dict(module)  # a collective; keys carry the wrapper's "model." prefix
     if dist.rank() == 0:
         weights = {name.removeprefix("model."): t for name, t in weights.items()}

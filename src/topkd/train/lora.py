@@ -38,7 +38,7 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, targets: list[str]) 
 
 def save_lora_student(model: nn.Module, tokenizer, path: str, merge: bool, base_dir: str | None) -> None:
     """final/adapter (adapters + tokenizer), and final/base when the base exists nowhere else; with merge, the
-    merged model in final/ itself. Written to temp names and renamed, as save_final does."""
+    merged model in final/ itself."""
     adapter = os.path.join(path, "adapter")
     model.save_pretrained(adapter)
     tokenizer.save_pretrained(adapter)

@@ -20,6 +20,7 @@ from topkd.cache import TopKCache
 from topkd.loss import fused_linear_kd
 from topkd.loss.options import LossOptions
 from topkd.models import final_hidden, load_causal_lm, model_head
+from topkd.train.lora import add_adapters
 
 
 @dataclass
@@ -40,7 +41,10 @@ def load_student(cfg, source: TopKCache) -> Student:
     source.check_student(vocab_size=max(rows, source.vocab_size) if cfg.fold_beyond_vocab else rows,
                          tokenizer=tokenizer)
     model.config.use_cache = False
-    return Student(model=model.float().train(), tokenizer=tokenizer)
+    model = model.float().train()
+    if cfg.lora_rank:  # adapters on the body; every base weight and the lm_head frozen
+        model = add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    return Student(model=model, tokenizer=tokenizer)
 
 
 def cut_layers(model: nn.Module, keep: int) -> nn.Module:
