@@ -75,6 +75,13 @@ def test_other_flags_on_an_existing_run_are_refused_but_more_steps_are_not(built
     train(config(built_cache, tmp_path, steps=3, loader_workers=0))  # speed flags and more steps: allowed
     assert len(losses(tmp_path)) == 3
     assert json.load(open(tmp_path / "config.json"))["steps"] == 3
+    recorded = json.load(open(tmp_path / "run.json"))
+    for newer in ("lora_rank", "fold_beyond_vocab", "train_on"):  # as a run recorded before these flags existed
+        recorded.pop(newer)
+    (tmp_path / "run.json").write_text(json.dumps(recorded))
+    train(config(built_cache, tmp_path, steps=4))  # a setting missing from an older run counts as its default
+    with pytest.raises(ValueError, match=r"--lora-rank 0 -> 2"):
+        train(config(built_cache, tmp_path, steps=5, lora_rank=2))
 
 
 @pytest.mark.parametrize("where", ["student", "cache"])

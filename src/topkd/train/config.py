@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from topkd import dist
 from topkd.checks import require_device, require_ints, require_path
+from topkd.data.chat import TRAIN_ON
 from topkd.data.samples import PACKINGS, temperature_column
 from topkd.files import write_json_atomic
 from topkd.loss.options import LossOptions
@@ -21,6 +22,8 @@ class TrainConfig:
     online_k: int = 0
     max_sequences: int = 0
     text_field: str = "text"
+    messages_field: str = "messages"
+    train_on: str = "assistant"
     out: str = ""
     student: str = ""
     init_from_teacher: bool = False
@@ -65,6 +68,8 @@ TRAIN_HELP = {
     "online_k": "online mode: top-K taken on the fly (0: full-vocabulary KD)",
     "max_sequences": "online mode: use only the first this many packed sequences (as `cache build --max-sequences`)",
     "text_field": "online mode: JSONL field holding the text",
+    "messages_field": "online mode: JSONL field holding a conversation (rendered with the teacher's chat template)",
+    "train_on": "online mode, chat data: assistant (only assistant turns count, as `cache build`) | all",
     "out": "run directory: checkpoints/, metrics.jsonl, loss.png, final/ (a rerun resumes from the last checkpoint)",
     "student": "student: a local Hugging Face model directory (or use --init-from-teacher)",
     "init_from_teacher": "derive the student from the cache's teacher: keep --layers evenly spaced layers",
@@ -129,6 +134,8 @@ def check_resume(out: str, cfg: TrainConfig, world: int, resuming: bool) -> None
     if resuming and os.path.exists(path):
         with open(path) as f:
             before = json.load(f)
+        defaults = asdict(TrainConfig())  # a setting added after that run was recorded had its default then
+        before = {**{k: defaults[k] for k in now if k in defaults}, **before}
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
             diffs = ", ".join(f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
@@ -156,6 +163,8 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.teacher and (not cfg.data or cfg.seq_len < 2):
         raise ValueError(f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
                          f"seq_len={cfg.seq_len}")
+    if cfg.train_on not in TRAIN_ON:
+        raise ValueError(f"train_on: expected one of {TRAIN_ON}, got {cfg.train_on!r}")
     if cfg.cache and (cfg.data or cfg.online_k or cfg.max_sequences):
         raise ValueError(f"--data, --online-k and --max-sequences belong to online mode (--teacher); with --cache "
                          f"the data is the cache's, got data={cfg.data} online_k={cfg.online_k} "

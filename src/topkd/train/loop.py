@@ -142,7 +142,7 @@ def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
         return TopKCache(cfg.cache)
     temperatures = [cfg.temperature] if loss_options(cfg).needs_logz else []
     return OnlineTeacher(load_teacher(cfg.teacher, device=device), cfg.data, cfg.seq_len, cfg.online_k,
-                         temperatures, cfg.text_field, cfg.max_sequences)
+                         temperatures, cfg.text_field, cfg.max_sequences, cfg.messages_field, cfg.train_on)
 
 
 def check_top_k(top_k: int, source) -> None:

@@ -27,13 +27,15 @@ class OnlineTeacher:
     """A sequence source (like TopKCache) whose teacher rows are computed when a sequence is read."""
 
     def __init__(self, teacher: Teacher, data: list[str], seq_len: int, k: int, temperatures: list[float],
-                 text_field: str = "text", max_sequences: int = 0):
+                 text_field: str = "text", max_sequences: int = 0, messages_field: str = "messages",
+                 train_on: str = "assistant"):
         if not 0 <= k <= teacher.vocab:
             raise ValueError(f"online_k: expected 0 (full vocabulary) or 1..{teacher.vocab}, got {k}")
         self.teacher, self.seq_len, self.k, self.temperatures = teacher, seq_len, k, list(temperatures)
         self.separator = teacher.tokenizer.eos_token_id
         self.vocab_size = teacher.vocab
-        documents = iter_documents(data, teacher.tokenizer, text_field, vocab=teacher.vocab)
+        documents = iter_documents(data, teacher.tokenizer, text_field, vocab=teacher.vocab,
+                                   messages_field=messages_field, train_on=train_on)
         self.sequences = list(itertools.islice(pack_sequences(documents, seq_len, self.separator),
                                                max_sequences or None))
         if not self.sequences:
