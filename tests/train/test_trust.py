@@ -80,8 +80,8 @@ def test_other_flags_on_an_existing_run_are_refused_but_more_steps_are_not(built
         recorded.pop(newer)
     (tmp_path / "run.json").write_text(json.dumps(recorded))
     train(config(built_cache, tmp_path, steps=4))  # a setting missing from an older run counts as its default
-    with pytest.raises(ValueError, match=r"--lora-rank 0 -> 2"):
-        train(config(built_cache, tmp_path, steps=5, lora_rank=2))
+    with pytest.raises(ValueError, match=r"--fold-beyond-vocab False -> True"):
+        train(config(built_cache, tmp_path, steps=5, fold_beyond_vocab=True))
 
 
 @pytest.mark.parametrize("where", ["student", "cache"])
