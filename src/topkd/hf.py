@@ -48,7 +48,7 @@ class KDTrainerMixin:
         if kwargs.get("data_collator") is None:
             kwargs["data_collator"] = collate
         super().__init__(*args, **kwargs)
-        self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}
+        self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}  # tensors on the device once a step adds to them
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -83,9 +83,9 @@ class KDTrainerMixin:
         loss = total / tokens.clamp(min=1)
         if self.args.world_size > 1:
             loss = loss * self.args.world_size  # DDP/FSDP average gradients over processes; tokens are global
-        self._kd_logged["kd"] += float(parts["kd"])
-        self._kd_logged["ce"] += float(parts["ce"])
-        self._kd_logged["tokens"] += float(inputs["kd_mask"].sum())
+        seen = self._kd_logged  # summed where they are: read (one sync) only when the Trainer logs
+        seen["kd"], seen["ce"] = seen["kd"] + parts["kd"].detach(), seen["ce"] + parts["ce"].detach()
+        seen["tokens"] = seen["tokens"] + inputs["kd_mask"].sum()
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def kd_teacher_vocab(self) -> int | None:
@@ -94,7 +94,7 @@ class KDTrainerMixin:
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Adds kd_loss and ce_loss (per counted token since the last log, this process) beside loss."""
-        seen = self._kd_logged
+        seen = {name: float(value) for name, value in self._kd_logged.items()}
         if "loss" in logs and seen["tokens"]:
             logs["kd_loss"] = seen["kd"] / seen["tokens"]
             if self.kd_options.needs_labels:

@@ -25,7 +25,7 @@ from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_device, require_dtype, require_ints, require_path
-from topkd.data.chat import TRAIN_ON, check_chat_tokenizer
+from topkd.data.chat import check_chat_tokenizer, check_train_on
 from topkd.data.documents import check_paths, iter_documents, pack_sequences
 from topkd.files import file_sha256
 from topkd.progress import progress
@@ -100,8 +100,7 @@ def check_config(cfg: CacheBuildConfig) -> None:
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
     require_dtype(cfg.dtype)
-    if cfg.train_on not in TRAIN_ON:
-        raise ValueError(f"train_on: expected one of {TRAIN_ON}, got {cfg.train_on!r}")
+    check_train_on(cfg.train_on)
     if cfg.chat_template:
         require_path("--chat-template", cfg.chat_template, "file")
     if cfg.engine not in ("hf", "vllm"):

@@ -20,6 +20,11 @@ import numpy as np
 TRAIN_ON = ("assistant", "all")
 
 
+def check_train_on(train_on: str) -> None:
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on: expected one of {TRAIN_ON}, got {train_on!r}")
+
+
 @dataclass
 class ChatDocument:
     tokens: np.ndarray  # [L] int64

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from topkd import dist
 from topkd.checks import require_device, require_ints, require_path
-from topkd.data.chat import TRAIN_ON
+from topkd.data.chat import check_train_on
 from topkd.data.samples import PACKINGS, temperature_column
 from topkd.files import write_json_atomic
 from topkd.loss.options import LossOptions
@@ -163,8 +163,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.teacher and (not cfg.data or cfg.seq_len < 2):
         raise ValueError(f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
                          f"seq_len={cfg.seq_len}")
-    if cfg.train_on not in TRAIN_ON:
-        raise ValueError(f"train_on: expected one of {TRAIN_ON}, got {cfg.train_on!r}")
+    check_train_on(cfg.train_on)
     if cfg.cache and (cfg.data or cfg.online_k or cfg.max_sequences):
         raise ValueError(f"--data, --online-k and --max-sequences belong to online mode (--teacher); with --cache "
                          f"the data is the cache's, got data={cfg.data} online_k={cfg.online_k} "

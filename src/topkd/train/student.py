@@ -82,8 +82,8 @@ class KDStudent(nn.Module):
                              f"final_logit_softcapping={softcap} (torch's linear cross entropy cannot cap); use "
                              "objective='kd' with ce_weight, which caps")
         self.model, self.teacher_vocab = model, teacher_vocab
-        self.options = dataclasses.replace(options, softcap=softcap)
-        self.objective, self.top_k = objective, top_k or None
+        self.options = options  # batch_loss adds the model's own soft-cap
+        self.objective, self.top_k = objective, top_k
         self.head_dtype = head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
         self.fold_beyond_vocab = fold_beyond_vocab
         if activation_checkpointing:
@@ -91,7 +91,7 @@ class KDStudent(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = final_hidden(self.model, batch["input_ids"], batch["position_ids"])
-        return batch_loss(self.model, hidden, batch, self.options, self.teacher_vocab, self.top_k or 0,
+        return batch_loss(self.model, hidden, batch, self.options, self.teacher_vocab, self.top_k,
                           self.head_dtype, self.objective, self.fold_beyond_vocab)
 
 
