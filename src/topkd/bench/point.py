@@ -4,7 +4,9 @@
 
 Prints one JSON line. Peak memory on CPU is VmHWM after writing 5 to /proc/self/clear_refs,
 minus the process's RSS before any input existed (so inputs, gradients and temporaries
-count, the Python runtime does not); on CUDA, max_memory_allocated. The first (measured)
+count, the Python runtime does not); on CUDA, max_memory_allocated, and beside it
+max_memory_reserved (what the caching allocator held: that, not the allocated peak, decides an
+OOM near the device's capacity). The first (measured)
 run also warms up; then --repeats pairs of (three-GEMM floor, impl) runs are timed,
 interleaved so both see the same machine, and each time is the median of its runs. The
 floor is logits, dX and dW over the same chunk rows, into reused buffers.
@@ -14,6 +16,7 @@ with RLIMIT_AS so the allocator fails cleanly instead of waking the OOM killer.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -51,6 +54,20 @@ class PeakMemory:
         if self.cuda:
             return torch.cuda.max_memory_allocated() - self.base
         return status_kib("VmHWM") * 1024 - self.base
+
+    def reserved(self) -> dict:
+        """{"peak_reserved_bytes": the allocator's reserved peak since reset()} on CUDA (absolute: the process's
+        whole pool), {} elsewhere."""
+        return {"peak_reserved_bytes": torch.cuda.max_memory_reserved()} if self.cuda else {}
+
+
+def peer_problem(impl: str) -> str | None:
+    """Why a peer cannot run in this environment (None: it can), found without importing it."""
+    if impl == "liger_jsd" and importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (on the GPU machine: carry its wheel in .whl/)"
+    if impl == "torch_lce" and not hasattr(torch.nn.functional, "linear_cross_entropy"):
+        return f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy (torch >= 2.12)"
+    return None
 
 
 def teacher_rows(n: int, vocab: int, k: int, device, seed: int = 0):
@@ -106,8 +123,8 @@ def step_fn(impl: str, inputs: dict):
         peer = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False)
         return lambda: peer(x, w, inputs["xt"], inputs["wt"], inputs["labels"]).backward()
     if impl == "torch_lce":
-        if not hasattr(torch.nn.functional, "linear_cross_entropy"):  # recorded as "unavailable"
-            raise ImportError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+        if peer_problem(impl):  # recorded as "unavailable"
+            raise ImportError(peer_problem(impl))
         return lambda: torch.nn.functional.linear_cross_entropy(x, w, inputs["labels"]).backward()
     raise ValueError(f"impl: expected one of {KD_IMPLS + GPU_IMPLS + PEERS}, got {impl!r}")
 
@@ -157,7 +174,7 @@ def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str,
     memory.reset()
     step()  # measured (phase memory/both) or only a warm-up (phase time)
     if phase != "time":
-        row["peak_bytes"] = memory.peak()
+        row.update(peak_bytes=memory.peak(), **memory.reserved())
     inputs["x"].grad = inputs["w"].grad = None
     if phase == "memory":
         return row

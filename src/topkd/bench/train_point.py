@@ -145,7 +145,7 @@ def measure_time(shape: str, impls: list[str], tokens: int, layers: int, repeats
 
 
 def measure_device(shape: str, impls: list[str], tokens: int, layers: int, repeats: int, device: str):
-    """Per impl, one JSON line: a bf16 mixed-precision step's peak memory (allocator, reset per step), median
+    """Per impl, one JSON line: a bf16 mixed-precision step's peak memory (allocated and reserved), median
     time and model TFLOP/s. An impl that runs out of memory is a line too; the next impl still runs."""
     module, optimizer = make_student(shape, layers, tokens, impls[0], device, torch.bfloat16)
     vocab = module.teacher_vocab
@@ -160,8 +160,8 @@ def measure_device(shape: str, impls: list[str], tokens: int, layers: int, repea
             memory.reset()
             step(module, optimizer, batch, 1, bf16=True)
             times = [step(module, optimizer, batch, 1, bf16=True) for _ in range(repeats)]
-            row.update(status="ok", peak_bytes=memory.peak() + memory.base, step_s=statistics.median(times),
-                       tflops=flops / statistics.median(times) / 1e12)
+            row.update(status="ok", peak_bytes=memory.peak() + memory.base, **memory.reserved(),
+                       step_s=statistics.median(times), tflops=flops / statistics.median(times) / 1e12)
         except torch.OutOfMemoryError as e:
             row.update(status="oom", error=str(e).splitlines()[0][:200])
         optimizer.zero_grad(set_to_none=True)

@@ -35,8 +35,27 @@ BLOCK_V = 4096  # vocabulary tile per loop step (one config: the interpreter can
 def available() -> str | None:
     """None when impl="triton" can run here, else why not (with the remedy)."""
     if triton is None:
-        return "Triton is not installed; pip install triton==3.7.1 (CUDA machines), or use impl='fused'"
+        return "Triton is not installed; pip install the triton your torch pairs with (CUDA machines), or use " \
+            "impl='fused'"
+    return interpreter_problem()
+
+
+def interpreter_problem() -> str | None:
+    """Triton before 3.7 interprets kernels (TRITON_INTERPRET=1, on a CPU) with numpy calls that numpy 2.4 made
+    errors ("only 0-dimensional arrays can be converted to Python scalars"): say so instead of failing inside."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    import numpy
+
+    if _major_minor(triton.__version__) < (3, 7) and _major_minor(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1) fails with numpy {numpy.__version__}"
+                " (>= 2.4); to run the kernels on a CPU use numpy < 2.4 or triton >= 3.7 (a GPU needs neither)")
     return None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def check_device(z: Tensor) -> None:

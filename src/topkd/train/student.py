@@ -106,10 +106,9 @@ def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Te
     vocab = teacher_vocab or weight.shape[0]
     weight = weight[:vocab].to(head_dtype)  # the casts' backward returns dW to the fp32 master weights
     bias = None if bias is None else bias[:vocab].to(head_dtype)
-    if objective == "ce":  # torch's fused linear + cross entropy
-        return torch.nn.functional.linear_cross_entropy(
-            hidden.to(head_dtype).reshape(-1, hidden.shape[-1]), weight, batch["labels"].reshape(-1),
-            linear_bias=bias, reduction="sum", ignore_index=-100)
+    if objective == "ce":
+        return linear_cross_entropy_sum(hidden.to(head_dtype).reshape(-1, hidden.shape[-1]), weight, bias,
+                                        batch["labels"].reshape(-1))
     opts = dataclasses.replace(options, softcap=softcap)
     logz = batch["teacher_logz"] if opts.needs_logz else None
     labels = batch["labels"] if opts.needs_labels else None
@@ -119,6 +118,20 @@ def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Te
         weight, bias, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
     return fused_linear_kd(hidden.to(head_dtype), weight, ids, logprobs, mask=batch["kd_mask"], teacher_logz=logz,
                            labels=labels, bias=bias, **{**opts.kwargs(), "reduction": "sum"})
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             labels: torch.Tensor) -> torch.Tensor:
+    """Summed CE of hidden @ weight.T (+ bias) at labels (-100 ignored), never forming [N, V]: torch's fused
+    linear cross entropy where this torch has it (>= 2.12), else topkd's fused loss at K = 1 (the label with
+    teacher probability 1, so the bucket KL is -log q_label: exactly CE)."""
+    if hasattr(torch.nn.functional, "linear_cross_entropy"):
+        return torch.nn.functional.linear_cross_entropy(hidden, weight, labels, linear_bias=bias, reduction="sum",
+                                                        ignore_index=-100)
+    counted = labels != -100
+    ids = torch.where(counted, labels, 0)[:, None]
+    logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    return fused_linear_kd(hidden, weight, ids, logprobs, mask=counted, bias=bias, reduction="sum")
 
 
 FOLDED_LOGIT = -1e4  # exp underflows to exactly 0 in fp32, while its log stays finite (no 0 * inf)
