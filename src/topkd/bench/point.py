@@ -28,7 +28,7 @@ import torch
 import topkd
 from topkd.loss.chunk import LossSpec
 from topkd.loss.fused import chunk_rows
-from topkd.memory import status_kib
+from topkd.memory import reserved_peak_bytes, status_kib
 
 KD_IMPLS = ("fused", "chunked", "dense")
 GPU_IMPLS = ("triton", "fused:torch")  # Triton kernels (CUDA), and fused forced to its torch kernels where it
@@ -58,7 +58,8 @@ class PeakMemory:
     def reserved(self) -> dict:
         """{"peak_reserved_bytes": the allocator's reserved peak since reset()} on CUDA (absolute: the process's
         whole pool), {} elsewhere."""
-        return {"peak_reserved_bytes": torch.cuda.max_memory_reserved()} if self.cuda else {}
+        reserved = reserved_peak_bytes(torch.device("cuda")) if self.cuda else None
+        return {} if reserved is None else {"peak_reserved_bytes": int(reserved)}
 
 
 def peer_problem(impl: str) -> str | None:

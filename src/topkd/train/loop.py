@@ -29,7 +29,7 @@ from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
 from topkd.data.samples import SampleStream, count_tokens
 from topkd.loss import loss_parts
-from topkd.memory import process_peak_bytes
+from topkd.memory import process_peak_bytes, reserved_peak_bytes
 from topkd.progress import progress
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
@@ -251,7 +251,13 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
         parts["ce_loss"] = dist.all_sum(ce_sum) / max(tokens, 1)
     return {"step": state["step"], "epoch": epoch, "loss": loss, **parts, "lr": lr, "grad_norm": grad_norm,
             "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "peak_gib": dist.all_max(process_peak_bytes(device) / 2**30), **({} if finite else {"skipped": True})}
+            "peak_gib": dist.all_max(process_peak_bytes(device) / 2**30), **_reserved_gib(device),
+            **({} if finite else {"skipped": True})}
+
+
+def _reserved_gib(device: torch.device) -> dict:
+    reserved = reserved_peak_bytes(device)
+    return {} if reserved is None else {"peak_reserved_gib": dist.all_max(reserved / 2**30)}
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
