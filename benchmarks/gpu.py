@@ -204,7 +204,7 @@ def stage_report(out: str, s: dict) -> None:
     if loss_rows:
         plot(loss_rows, os.path.join(out, "loss.png"),
              f"KD loss on {check['device']}, V={s['vocab']} H={s['hidden']} bf16")
-    targets = judge_gpu({"points": loss_rows}, out) if "gemm" in check else []
+    targets = judge_gpu({"points": loss_rows}, out) if os.path.exists(os.path.join(out, "check.json")) else []
     _dump(out, "targets.json", targets)
     text = report(check, loss_rows, train_rows, targets)
     with open(os.path.join(out, "report.txt"), "w") as f:
