@@ -5,7 +5,7 @@
 #   GPU_SMOKE=1 bash benchmarks/gpu.sh              # the same stages on a CPU at toy sizes, Triton interpreted
 #
 # Why `timeout 420`: a session gets 15 minutes of device time in all, the machine's start and idle time
-# included. The stage limits below sum to 385 s (plus process starts); 420 s is the hard
+# included. The stage limits below sum to 390 s (plus process starts); 420 s is the hard
 # ceiling that still leaves room for one rerun if the first call goes wrong.
 # Each stage is its own process under its own timeout, so a CUDA fault or a hang costs that stage only; every
 # stage rewrites its result file after each row, so what it measured before a kill is kept. A failing stage
@@ -46,9 +46,9 @@ stage() {  # stage NAME SECONDS: one process, killed (and noted) past its limit
 }
 
 $PY -c "import sys, torch; print('gpu.sh: Python', sys.version.split()[0], 'torch', torch.__version__)" 2>&1 | tee -a "$LOG"
-stage check 45
+stage check 60
 stage gemm 20
-stage loss 200
+stage loss 190
 stage train 80
 stage predict 20
 stage report 20
