@@ -66,3 +66,22 @@ def test_declared_kernels_and_meta_launch_guard():
         trace.declare("kernel", 10, 20, 5)
     assert [(o.name, o.kind, o.read, o.written) for o in t.ops] == [("kernel", "kernel", 10, 20)]
     assert trace.active() is None
+
+
+def test_fp32_output_addmm_on_meta_is_traced_on_every_torch():
+    """bf16 operands into an fp32 accumulator, as the loss's dW on a GPU. torch 2.11's meta kernel of
+    addmm(out_dtype=...) raises (make test-compat runs this there); the trace stands in for it."""
+    a = torch.empty(6, 5, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(5, 7, device="meta", dtype=torch.bfloat16)
+    acc = torch.empty(6, 7, device="meta")
+    with OpTrace() as t:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, beta=0.0, out=acc)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        fresh = torch.addmm(acc, a, b, out_dtype=torch.float32)
+    first, second, third = t.ops
+    assert (fresh.shape, fresh.dtype) == ((6, 7), torch.float32)
+    assert first.read == (30 + 35) * 2 and second.read == (30 + 35) * 2 + 42 * 4  # beta=0 reads no accumulator
+    assert first.written == second.written == third.written == 42 * 4 and first.dtype == "bfloat16"
+    with pytest.raises(TypeError):  # anything else still raises
+        with OpTrace():
+            torch.addmm(acc, a, b, beta="x")
