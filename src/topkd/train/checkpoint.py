@@ -162,6 +162,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """DCP's .metadata is a pickle: only its own record types, torch sizes, dtypes and layouts may be built."""
 
     ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib._local", "PosixPath"),  # where Python 3.13 moved it
                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
 
     def find_class(self, module: str, name: str):
