@@ -124,8 +124,9 @@ def step_fn(impl: str, inputs: dict):
         peer = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False)
         return lambda: peer(x, w, inputs["xt"], inputs["wt"], inputs["labels"]).backward()
     if impl == "torch_lce":
-        if peer_problem(impl):  # recorded as "unavailable"
-            raise ImportError(peer_problem(impl))
+        problem = peer_problem(impl)
+        if problem:  # recorded as "unavailable"
+            raise ImportError(problem)
         return lambda: torch.nn.functional.linear_cross_entropy(x, w, inputs["labels"]).backward()
     raise ValueError(f"impl: expected one of {KD_IMPLS + GPU_IMPLS + PEERS}, got {impl!r}")
 

@@ -19,6 +19,7 @@ import os
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion  # PEP 440 comparisons of any version string (not only torch's)
 
 from topkd import trace
 from topkd.loss.chunk import Kernels
@@ -47,15 +48,10 @@ def interpreter_problem() -> str | None:
         return None
     import numpy
 
-    if _major_minor(triton.__version__) < (3, 7) and _major_minor(numpy.__version__) >= (2, 4):
+    if TorchVersion(triton.__version__) < (3, 7) and TorchVersion(numpy.__version__) >= (2, 4):
         return (f"Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1) fails with numpy {numpy.__version__}"
                 " (>= 2.4); to run the kernels on a CPU use numpy < 2.4 or triton >= 3.7 (a GPU needs neither)")
     return None
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def check_device(z: Tensor) -> None:
