@@ -189,3 +189,38 @@ def test_trl_sft_trainer_takes_the_mixin(built_cache, tmp_path):
     trainer.train()
     logged = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     assert logged == pytest.approx(losses(tmp_path / "topkd"), rel=1e-5)
+
+
+def test_a_student_with_another_tokenizer_of_the_same_vocabulary_size_is_refused(built_cache, tmp_path, capfd):
+    """KDTrainer trained it silently (Llama-2 and Mistral-7B are both V=32,000); it now checks as topkd train does."""
+    from tokenizers import Tokenizer
+
+    tok = TopKCache(built_cache).load_teacher().tokenizer
+    vocab = tok.get_vocab()  # the same size, other ids: two tokens swapped
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    swapped = json.loads(tok.backend_tokenizer.to_str())
+    swapped["model"]["vocab"][a], swapped["model"]["vocab"][b] = vocab[b], vocab[a]
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(swapped)),
+                                              eos_token="<eos>")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", disable_tqdm=True)
+    data = TopKDataset(TopKCache(built_cache), seq_len=24)
+    with pytest.raises(ValueError, match="student tokenizer: expected the teacher's token ids"):
+        KDTrainer(model=_student(built_cache), args=args, train_dataset=data, processing_class=tok)
+    KDTrainer(model=_student(built_cache), args=args, train_dataset=data)  # its own, found beside the model
+    model = _student(built_cache)
+    model.config._name_or_path = ""
+    KDTrainer(model=model, args=args, train_dataset=data)
+    assert "only its vocabulary size was checked" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="student vocabulary: expected >= the teacher's"):
+        model.resize_token_embeddings(10)
+        KDTrainer(model=model, args=args, train_dataset=data)
+
+
+def test_a_dataset_of_lists_is_refused_with_the_way_to_a_topkdataset(built_cache, tmp_path):
+    data = TopKDataset(TopKCache(built_cache), seq_len=24)
+    rows = [{k: v.tolist() for k, v in data[i].items()} for i in range(4)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                                          use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    with pytest.raises(ValueError, match="expected torch tensors, got input_ids: list.*topkd.data.TopKDataset"):
+        KDTrainer(model=_student(built_cache), args=args, train_dataset=rows).train()

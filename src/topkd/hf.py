@@ -22,6 +22,9 @@ fused_linear_kd (topkd.loss.LossOptions).
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import transformers
 
@@ -48,6 +51,7 @@ class KDTrainerMixin:
         if kwargs.get("data_collator") is None:
             kwargs["data_collator"] = collate
         super().__init__(*args, **kwargs)
+        check_student_against_cache(self.model, self.train_dataset, self.processing_class, fold_beyond_vocab)
         self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}  # tensors on the device once a step adds to them
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -105,6 +109,36 @@ class KDTrainerMixin:
 
 class KDTrainer(KDTrainerMixin, transformers.Trainer):
     """transformers.Trainer distilling from a top-K cache with topkd's fused loss (see the module docstring)."""
+
+
+def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_vocab: bool = False) -> None:
+    """As `topkd train` does: a TopKDataset of a cache refuses a student whose head cannot hold the cache's ids or
+    whose tokenizer gives other ids (Llama-2 and Mistral-7B share V=32,000, not their tokens). The tokenizer is
+    the processing_class, else the one saved beside the model (config._name_or_path); without either, only the
+    vocabulary is checked, and a warning says so."""
+    cache = getattr(getattr(dataset, "stream", None), "source", None)
+    if not hasattr(cache, "check_student"):
+        return  # not a cache (an online teacher, a `datasets` copy): nothing recorded to check against
+    head = head_model(model)
+    rows = int(head.get_output_embeddings().weight.shape[0])
+    tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else _saved_tokenizer(head)
+    if tokenizer is None:
+        print("KDTrainer: warning: the student's tokenizer is unknown (no processing_class, none saved beside the "
+              "model), so only its vocabulary size was checked against the cache; pass processing_class=tokenizer",
+              file=sys.stderr, flush=True)
+    cache.check_student(vocab_size=max(rows, cache.vocab_size) if fold_beyond_vocab else rows, tokenizer=tokenizer)
+
+
+def _saved_tokenizer(model):
+    from transformers import AutoTokenizer
+
+    where = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not os.path.isdir(where):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def as_hf_dataset(data: TopKDataset):

@@ -23,6 +23,8 @@ def load_causal_lm(source: str, dtype: str = "float32", device: str = "cpu", rol
     if not os.path.exists(source):
         raise ValueError(f"{role}: expected a local model directory or .gguf file, got {source!r} (not found); "
                          "download the model first, topkd never fetches from a hub")
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise ValueError(_not_a_model(source, role))
     kwargs = {"dtype": getattr(torch, dtype)}
     where = source
     if source.endswith(".gguf"):
@@ -35,6 +37,19 @@ def load_causal_lm(source: str, dtype: str = "float32", device: str = "cpu", rol
                          "teacher's tokenizer there with tokenizer.save_pretrained") from None
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs).to(device).eval()
     return model, tokenizer
+
+
+def _not_a_model(source: str, role: str) -> str:
+    """What a directory without config.json is, and what to pass instead."""
+    if os.path.isdir(os.path.join(source, "adapter")):  # topkd train --lora-rank without --merge
+        base = os.path.join(source, "base")
+        where = f"the base model in {base}" if os.path.isdir(base) else "the base model the run started from"
+        return (f"{role} {source!r}: expected a model directory (config.json), got LoRA adapters ({source}/adapter, "
+                f"PEFT format) for {where}; rerun the same topkd train command with --merge (it resumes at the last "
+                "step and writes the merged model there), or merge them with peft (PeftModel.from_pretrained(base, "
+                "adapter).merge_and_unload())")
+    return (f"{role} {source!r}: expected a model directory with config.json (save_pretrained), got a directory "
+            "without one; pass the directory that holds the model's config.json and weights")
 
 
 def final_hidden(model, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:

@@ -2,6 +2,7 @@
 document, a round trip that gives the rows back (ids exact, log-probs within the uint8 quantisation, the tail
 from the stored mass), refusals. The Parquet steps need `datasets` (extra topkd[hf]): slow tests."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -36,30 +37,93 @@ def test_export_then_import_round_trips_the_rows(built_cache, teacher_dir, tmp_p
     assert set(rows.column_names) == {"input_ids", "attention_mask", "labels", "target_token_ids",
                                       "target_logprobs", "target_mask"}
     assert json.load(open(tmp_path / "ax" / "topkd_export.json"))["fingerprint"] == cache.fingerprint
-    trainable = [i for i in range(len(rows)) if all(all(m) for m in rows[i]["target_mask"][1:])]
-    rows.select(trainable).to_parquet(str(tmp_path / "clean" / "data.parquet"))
-    assert main(["cache", "import", str(tmp_path / "clean"), "--tokenizer", teacher_dir,
+    assert main(["cache", "import", str(tmp_path / "ax"), "--tokenizer", teacher_dir,
                  "--vocab-size", str(cache.vocab_size), "--out", str(tmp_path / "imp")]) == 0
-    imported = TopKCache(str(tmp_path / "imp"))
+    imported = TopKCache(str(tmp_path / "imp"))  # every row, the uncounted ones (separators) as masked rows
     assert imported.verify() == [] and imported.k == cache.k and imported.temperatures == []
     assert imported.manifest["build"]["tail"].startswith("unknown")
-    first = imported[0]
-    row = rows[trainable[0]]
+    assert imported.counted_tokens == sum(int(sum(m[0] for m in rows[i]["target_mask"])) for i in range(len(rows)))
+    first, row = imported[0], rows[0]
     assert first["input_ids"].tolist() == row["input_ids"][:-1]
-    assert torch.equal(first["teacher_ids"], torch.tensor(row["target_token_ids"][1:]))
-    got = first["teacher_logprobs"].numpy()
-    assert np.abs(got - np.asarray(row["target_logprobs"][1:])).max() < 0.05  # re-quantised log-probs
+    counted = torch.tensor([m[0] == 1 for m in row["target_mask"][1:]])
+    assert torch.equal(first["teacher_ids"][counted], torch.tensor(row["target_token_ids"][1:])[counted])
+    got = first["teacher_logprobs"].numpy()[counted.numpy()]
+    assert np.abs(got - np.asarray(row["target_logprobs"][1:])[counted.numpy()]).max() < 0.05  # re-quantised
+    assert main(["cache", "export", str(tmp_path / "imp"), "--out", str(tmp_path / "ax2")]) == 0  # and back
 
 
-def test_masked_positions_are_refused_and_rows_rank_ordered():
+@pytest.mark.slow
+def test_import_refuses_unusable_datasets_in_one_line(teacher_dir, tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
     row = {"input_ids": [5, 6, 7], "target_token_ids": [[0, 1], [3, 4], [5, 6]],
-           "target_logprobs": [[-1e9, -1e9], [-1.0, -2.0], [-0.5, -3.0]], "target_mask": [[0, 0], [1, 1], [0, 0]]}
-    with pytest.raises(ValueError, match="import: row 4 position 2: expected a counted target"):
-        imported_sequence(row, 4)
-    seq = imported_sequence({**row, "target_mask": [[0, 0], [1, 1], [1, 1]],
-                             "target_logprobs": [[0, 0], [-2.0, -1.0], [-0.5, -3.0]]}, 0)
+           "target_logprobs": [[-1.0, -2.0], [-1.0, -2.0], [-0.5, -3.0]], "target_mask": [[0, 0], [1, 1], [1, 1]]}
+    cases = {"missing": [{k: v for k, v in row.items() if k != "target_mask"}], "empty": [],
+             "nulls": [row, {**row, "target_logprobs": None}], "short": [{**row, "input_ids": [5, 6]}]}
+    words = {"missing": "expected rows with the columns", "empty": "got 0 rows", "nulls": "import: row 1 "
+             "target_logprobs: expected a [L][K]", "short": "import: row 0: expected input_ids [L] and"}
+    for name, rows in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        table = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({c: [] for c in row})
+        table.to_parquet(str(d / "data.parquet"))
+        capsys.readouterr()
+        assert main(["cache", "import", str(d), "--tokenizer", teacher_dir, "--out", str(tmp_path / f"o-{name}")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words[name] in err[0], (name, err)
+        assert not (tmp_path / f"o-{name}").exists()
+
+
+@pytest.mark.slow
+def test_export_of_a_damaged_cache_is_refused_and_leaves_no_out(built_cache, tmp_path, capsys):
+    import shutil
+
+    pytest.importorskip("datasets")
+    damaged = shutil.copytree(built_cache, tmp_path / "c")
+    shard = damaged / "shards" / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(data)
+    assert main(["cache", "export", str(damaged), "--out", str(tmp_path / "ax")]) == 2
+    assert "sha256 mismatch" in capsys.readouterr().err and not (tmp_path / "ax").exists()
+    shutil.copy(os.path.join(built_cache, "shards", "shard-00001.safetensors"), shard)  # repaired: exports
+    assert main(["cache", "export", str(damaged), "--out", str(tmp_path / "ax")]) == 0
+
+
+GOOD = {"input_ids": [5, 6, 7], "target_token_ids": [[0, 1], [3, 4], [5, 6]],
+        "target_logprobs": [[-1e9, -1e9], [-2.0, -1.0], [-0.5, -3.0]], "target_mask": [[0, 0], [1, 1], [1, 1]]}
+
+
+def test_rows_are_rank_ordered_and_masked_positions_kept_as_masked_rows():
+    seq = imported_sequence(GOOD, 0, vocab=10)
     assert seq.ids.tolist() == [[4, 3], [5, 6]] and seq.input_ids.tolist() == [5, 6]  # rank order; last token dropped
+    assert seq.row_mask is None
     assert np.exp(seq.log_tail[0]) == pytest.approx(1 - np.exp(-1.0) - np.exp(-2.0), rel=1e-5)
+    masked = imported_sequence({**GOOD, "target_mask": [[0, 0], [1, 1], [0, 0]],
+                                "target_logprobs": [[0, 0], [-2.0, -1.0], [-np.inf, -np.inf]]}, 0, vocab=10)
+    assert masked.row_mask.tolist() == [True, False]  # a prompt position: stored, not counted
+    assert masked.ids[1].tolist() == [0, 1] and np.isfinite(masked.logprobs).all()  # a stand-in that decodes
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"target_logprobs": [[-1, -1], [-2.0], [-0.5, -3.0]]}, "target_logprobs: expected a [L][K] (K entries at every "
+                                                              "position) list of numbers, got ragged"),
+    ({"target_token_ids": [[0, 1], [3, 4]]}, "of one length L >= 2, got 3, (2, 2)"),
+    ({"target_token_ids": [[0, 1], [3.5, 4], [5, 6]]}, "target_token_ids: expected integer token ids, got fractional"),
+    ({"target_token_ids": None}, "target_token_ids: expected a [L][K] (K entries at every position) list of "
+                                 "numbers, got null"),
+    ({"input_ids": [5, -6, 7]}, "input_ids: expected ids in [0, 10), got range [-6, 7]"),
+    ({"input_ids": [5, 6]}, "of one length"),
+    ({"target_logprobs": [[0, 0], [2.0, -1.0], [-0.5, -3.0]]}, "expected log-probabilities"),
+    ({"target_logprobs": [[0, 0], [-0.1, -0.2], [-0.5, -3.0]]}, "expected top-K mass <= 1, got 1.7"),
+    ({"target_token_ids": [[0, 1], [3, 3], [5, 6]]}, "duplicates"),
+    ({"target_token_ids": [[0, 1], [3, 40], [5, 6]]}, "teacher_ids: expected values in [0, 10)"),
+    ({"target_mask": [[0, 0], [1, 0], [1, 1]]}, "position 1: expected a target_mask of all 1 or all 0"),
+])
+def test_malformed_rows_are_refused_in_one_line_never_coerced(edit, words):
+    with pytest.raises(ValueError) as refused:
+        imported_sequence({**GOOD, **edit}, 4, vocab=10)
+    message = str(refused.value)
+    assert message.startswith("import: row 4") and words in message and "\n" not in message
 
 
 def test_bad_flags_are_refused_before_anything_runs(built_cache, teacher_dir, tmp_path):

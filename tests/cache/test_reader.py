@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from topkd.cache import CacheError, TopKCache
+from tests.conftest import cache_config
+from topkd.cache import CacheError, TopKCache, build
 from topkd.cli import main
 
 
@@ -165,3 +166,21 @@ def test_only_a_bounded_number_of_shards_stay_open(built_cache, monkeypatch):
     rows = [cache[i]["teacher_ids"] for i in range(len(cache))]
     assert len(cache._readers) == 2 and len(cache.manifest["shards"]) > 2
     assert all(torch.equal(cache[i]["teacher_ids"], rows[i]) for i in range(len(cache)))
+
+
+def test_a_teacher_overwritten_after_the_build_is_refused_by_load_teacher(teacher_dir, text_file, tmp_path):
+    """A re-download of another checkpoint into the teacher's folder: same architecture and tokenizer, other
+    weights. --init-from-teacher used to cut the student from it (step-2 loss 11.9 instead of 0.47)."""
+    from tests.cache.tiny import make_teacher
+    from tests.train.runs import config
+    from topkd.train import train
+
+    teacher = shutil.copytree(teacher_dir, tmp_path / "teacher")
+    build(cache_config(str(teacher), text_file, tmp_path / "c", max_sequences=4))
+    cache = TopKCache(str(tmp_path / "c"))
+    assert cache.load_teacher().vocab == cache.vocab_size  # the same teacher loads
+    make_teacher(str(teacher), seed=1)
+    with pytest.raises(CacheError, match=r"teacher at .* is not the one that built it \(its weights sha256"):
+        cache.load_teacher()
+    with pytest.raises(CacheError, match="restore that checkpoint there, or rebuild the cache"):
+        train(config(str(tmp_path / "c"), tmp_path / "run", steps=1))

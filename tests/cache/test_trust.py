@@ -24,10 +24,10 @@ def cache_copy(built_cache, tmp_path):
     return str(shutil.copytree(built_cache, tmp_path / "copy"))
 
 
-def _digests(root) -> dict:
+def _digests(root, sub="shards") -> dict:
     import hashlib
 
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / "shards").glob("*"))}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / sub).glob("*"))}
 
 
 def _edit_manifest(root, edit) -> None:
@@ -207,10 +207,20 @@ def _damage(root, how: str) -> None:
         open(os.path.join(root, "manifest.json"), "w").close()
     elif how == "manifest-malformed":
         _edit_manifest(root, lambda m: m.pop("shards"))
+    elif how == "tokenizer-merges":  # still hashes as tokenizer_sha256 (vocabulary and special tokens only)
+        _drop_merges(os.path.join(root, "tokenizer", "tokenizer.json"))
+    elif how == "tokenizer-file-deleted":
+        os.remove(os.path.join(root, "tokenizer", "tokenizer_config.json"))
+
+
+def _drop_merges(path) -> None:
+    tok = json.load(open(path))
+    tok["model"]["merges"] = []
+    json.dump(tok, open(path, "w"))
 
 
 @pytest.mark.parametrize("how", ["deleted", "truncated", "bitflip", "swapped", "manifest-empty",
-                                 "manifest-malformed"])
+                                 "manifest-malformed", "tokenizer-merges", "tokenizer-file-deleted"])
 def test_rerunning_the_build_repairs_a_damaged_cache(built_cache, teacher_dir, text_file, tmp_path, how):
     from pathlib import Path
 
@@ -219,20 +229,38 @@ def test_rerunning_the_build_repairs_a_damaged_cache(built_cache, teacher_dir, t
     _damage(str(root), how)
     build(cache_config(teacher_dir, text_file, root))
     assert _digests(root) == _digests(Path(built_cache))
+    assert _digests(root, "tokenizer") == _digests(Path(built_cache), "tokenizer")
     assert json.load(open(root / "manifest.json")) == json.load(open(Path(built_cache) / "manifest.json"))
     assert TopKCache(str(root)).verify() == []
 
 
-def test_damaged_sidecar_in_an_unfinished_build_is_redone(built_cache, teacher_dir, text_file, tmp_path):
+def _edit_sidecar(root, j, edit) -> None:
+    path = root / "shards" / f"shard-{j:05d}.json"
+    side = json.load(open(path))
+    edit(side)
+    json.dump(side, open(path, "w"))
+
+
+@pytest.mark.parametrize("how", ["structure", "tokens", "counted", "build_hash"])
+def test_damaged_sidecar_in_an_unfinished_build_is_redone(built_cache, teacher_dir, text_file, tmp_path, how):
+    """tokens off by one: the reader refused and the rebuild it asked for did nothing; one hex digit of
+    build_hash: the whole --out was declared another build. Now only that shard is redone."""
     from pathlib import Path
 
     root = tmp_path / "c"
     shutil.copytree(built_cache, root)
     os.remove(root / "manifest.json")
-    (root / "shards" / "shard-00001.json").write_text('{"shard": 1, "file": "shards/shard-00001.safetensors"}')
-    (root / "shards" / "shard-00004.json").write_text("{not json")
+    if how == "structure":
+        (root / "shards" / "shard-00001.json").write_text('{"shard": 1, "file": "shards/shard-00001.safetensors"}')
+        (root / "shards" / "shard-00004.json").write_text("{not json")
+    elif how in ("tokens", "counted"):
+        _edit_sidecar(root, 1, lambda side: side.update({how: side[how] + 1}))
+    else:
+        flip = lambda h: ("1" if h[7] == "0" else "0").join((h[:7], h[8:]))  # noqa: E731
+        _edit_sidecar(root, 1, lambda side: side.update(build_hash=flip(side["build_hash"])))
     build(cache_config(teacher_dir, text_file, root))
     assert _digests(root) == _digests(Path(built_cache))
+    assert TopKCache(str(root)).verify() == [] and len(TopKCache(str(root))[4]["input_ids"]) > 0
 
 
 def test_teacher_path_spelling_is_the_same_build(built_cache, teacher_dir, text_file, tmp_path, monkeypatch):
@@ -270,3 +298,53 @@ def test_stale_temp_files_of_live_processes_are_kept(teacher_dir, text_file, tmp
     build(cache_config(teacher_dir, text_file, out, max_sequences=2))
     assert live.exists() and not dead.exists()
     assert np.isfinite(TopKCache(str(out))[0]["teacher_logprobs"].numpy()).all()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.tmp", "tokenizer", "shards", "manifest.json", ".build-0-0.lock"])
+def test_planted_links_never_make_the_build_write_outside_out(teacher_dir, text_file, tmp_path, name):
+    """A planted tokenizer.tmp link made save_pretrained write through it, and renamed the link into
+    CACHE/tokenizer; the build now writes its tokenizer through a fresh private temp directory and refuses
+    links at every name it writes."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    out = tmp_path / "c"
+    out.mkdir()
+    os.symlink(outside if name != ".build-0-0.lock" else outside / "precious", out / name)
+    cfg = cache_config(teacher_dir, text_file, out, max_sequences=2)
+    if name == "tokenizer.tmp":  # not a name the build writes any more: ignored, never written through
+        build(cfg)
+        assert (out / "tokenizer").is_dir() and not (out / "tokenizer").is_symlink()
+        assert TopKCache(str(out)).check_student(1000) is None
+    else:
+        with pytest.raises(ValueError, match=rf"{name}: expected a file or directory this job writes, got a "
+                                             "symbolic link"):
+            build(cfg)
+    assert sorted(p.name for p in outside.iterdir()) == ["precious"]
+    assert (outside / "precious").read_text() == "keep me"
+
+
+def test_write_atomic_never_writes_through_a_planted_temp_link(tmp_path):
+    from topkd.files import write_atomic
+
+    target = tmp_path / "target"
+    target.write_text("keep me")
+    path = tmp_path / "file.json"
+    os.symlink(target, f"{path}.tmp-{os.getpid()}")
+    write_atomic(str(path), b"new")
+    assert path.read_bytes() == b"new" and not path.is_symlink() and target.read_text() == "keep me"
+
+
+def test_a_damaged_stored_tokenizer_is_reported_and_never_blames_the_student(cache_copy, teacher_dir):
+    """Merges dropped from CACHE/tokenizer/tokenizer.json: it matched tokenizer_sha256, passed verify, and the
+    correct student was refused with a message blaming the student. The manifest now records every file."""
+    from transformers import AutoTokenizer
+
+    _drop_merges(os.path.join(cache_copy, "tokenizer", "tokenizer.json"))
+    cache = TopKCache(cache_copy)
+    assert cache.verify() == ["tokenizer/tokenizer.json: size or sha256 differs from the build's (edited or damaged)"]
+    with pytest.raises(CacheError, match="its stored teacher tokenizer is damaged .*rerun the build command"):
+        cache.check_student(1000, AutoTokenizer.from_pretrained(teacher_dir))
+    res = subprocess.run([sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy], capture_output=True,
+                         text=True, env=SUBPROCESS_ENV)
+    assert res.returncode != 0 and "tokenizer/tokenizer.json" in res.stdout + res.stderr

@@ -103,3 +103,118 @@ def test_eval_text_scores_a_conversation_on_its_assistant_turns(chat_teacher, tm
     doc = chat_document(CONVERSATION, tok)
     assert result["scored_tokens"] == int(doc.targets.sum())
     assert result["bytes"] == len(_targets_text(tok, doc).encode())
+
+
+def test_a_rewritten_row_mask_with_fixed_checksums_is_refused(chat_teacher, tmp_path):
+    """The sidecar records how many rows count: a row_mask rewritten (and the checksums fixed) no longer agrees."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from topkd.cache import CacheError
+    from topkd.files import file_sha256
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    build(cache_config(chat_teacher, str(data), tmp_path / "cache", seq_len=64, temperatures=[]))
+    root = tmp_path / "cache"
+    shard = root / "shards" / "shard-00000.safetensors"
+    tensors = load_file(str(shard))
+    tensors["row_mask"] = np.ones_like(tensors["row_mask"])  # train on the prompts too
+    save_file(tensors, str(shard))
+    side_path = root / "shards" / "shard-00000.json"
+    side = json.load(open(side_path))
+    side.update(bytes=shard.stat().st_size, sha256=file_sha256(str(shard)))
+    json.dump(side, open(side_path, "w"))
+    manifest = json.load(open(root / "manifest.json"))
+    manifest["shards"][0] = side
+    manifest["totals"]["bytes"] = side["bytes"]
+    json.dump(manifest, open(root / "manifest.json", "w"))
+    cache = TopKCache(str(root))
+    assert cache.verify() == [f"shards/shard-00000.safetensors: its row_mask counts {len(tensors['row_mask'])} "
+                              f"rows, the sidecar recorded {side['counted']}"]
+    with pytest.raises(CacheError, match="row_mask counts"):
+        cache[0]
+
+
+def _jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("talk, template", [
+    ([{"role": "user", "content": "hi"}, {"role": "Assistant", "content": "the cat"}], None),
+    ([{"role": "user", "content": "hi"}, {"role": "model", "content": "the cat"}], None),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "the cat"}], None),
+    (CONVERSATION, "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+                   "{% endfor %}"),
+])
+def test_chat_data_without_targets_is_refused_naming_the_roles(chat_teacher, tmp_path, talk, template):
+    """It built and 'trained' with 0 tokens, loss 0, exit 0."""
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": talk}] * 3)
+    kw = {}
+    if template:
+        (tmp_path / "t.jinja").write_text(template)
+        kw["chat_template"] = str(tmp_path / "t.jinja")
+    with pytest.raises(ValueError, match="expected assistant turns to train on .*roles seen: ") as refused:
+        build(cache_config(chat_teacher, data, tmp_path / "cache", seq_len=24, temperatures=[], **kw))
+    assert all(f"{m['role']!r} x" in str(refused.value) for m in talk)
+    assert ("renders none of their text" in str(refused.value)) == bool(template)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_cache_or_step_with_no_counted_token_never_trains(chat_teacher, tmp_path, capfd, monkeypatch):
+    from tests.train.runs import config
+    from topkd.train import loop, train
+
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 4)
+    build(cache_config(chat_teacher, data, tmp_path / "cache", seq_len=24, temperatures=[]))
+    counts = iter([5, 0, 5])
+    monkeypatch.setattr(loop, "count_tokens", lambda batch: next(counts))  # step 2: prompts only
+    seen = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: seen.append(1))
+    train(config(str(tmp_path / "cache"), tmp_path / "run", steps=3, seq_len=24))
+    assert len(seen) == 2 and "step 2: its samples hold no counted token" in capfd.readouterr().err
+    manifest = json.load(open(tmp_path / "cache" / "manifest.json"))
+    for side in manifest["shards"]:
+        side["counted"] = 0
+    json.dump(manifest, open(tmp_path / "cache" / "manifest.json", "w"))
+    with pytest.raises(ValueError, match="expected rows that count for the loss, got 0"):
+        train(config(str(tmp_path / "cache"), tmp_path / "run2", steps=1, seq_len=24))
+
+
+def test_a_conversation_opening_with_the_assistant_counts_its_reply(chat_teacher):
+    tok = AutoTokenizer.from_pretrained(chat_teacher)
+    doc = chat_document(CONVERSATION[2:], tok)  # assistant, user, assistant
+    assert _targets_text(tok, doc) == "the cat<|im_end|>a dog<|im_end|>"
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversation roles must alternate "
+     "user/assistant') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+     "(TemplateError: Conversation roles must alternate user/assistant); the template refuses this conversation"),
+    ("{% for m in messages %}{{ m['content'] }{% endfor %}", "(TemplateSyntaxError: unexpected '}'); the template "
+                                                             "is not valid Jinja"),
+    ("{% for m in messages %}{{ m['content'] + foo.bar }}{% endfor %}", "(UndefinedError: 'foo' is undefined)"),
+])
+def test_chat_template_errors_name_the_record(chat_teacher, template, words):
+    tok = AutoTokenizer.from_pretrained(chat_teacher)
+    tok.chat_template = template
+    with pytest.raises(ValueError) as refused:
+        chat_document(CONVERSATION[2:], tok, where="c.jsonl:7")
+    assert str(refused.value).startswith("c.jsonl:7: the chat template failed ") and words in str(refused.value)
+
+
+@pytest.mark.parametrize("record, words", [
+    ('{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "message 0 content: expected text, got a lone "
+                                                                  "surrogate '\\ud83d' at character 3"),
+    ('{"text": "broken \\udc00 escape"}', "text: expected text, got a lone surrogate"),
+    ('{"text": "a", "messages": [{"role": "user", "content": "hi"}]}', "got both; pick one"),
+])
+def test_malformed_records_name_their_line(chat_teacher, tmp_path, record, words):
+    from topkd.data.documents import iter_documents
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n' + record + "\n")
+    with pytest.raises(ValueError) as refused:
+        list(iter_documents([str(path)], AutoTokenizer.from_pretrained(chat_teacher)))
+    assert str(refused.value).startswith(f"{path}:2: ") and words in str(refused.value)

@@ -53,6 +53,14 @@ def test_collate_pads_to_the_longest_with_nothing_counted():
     assert batch["teacher_ids"][0, 3].tolist() == [0, 1, 2, 3]  # distinct ids on padded rows
     with pytest.raises(ValueError, match="collate: expected at least one sample"):
         collate([])
+    as_lists = {k: v.tolist() for k, v in item(3).items()}  # a dataset of lists (e.g. read back from JSON)
+    with pytest.raises(ValueError, match="sample 1: expected torch tensors, got input_ids: list.*TopKDataset"):
+        collate([item(3), as_lists])
+    no_positions = {k: v for k, v in item(3).items() if k != "position_ids"}  # would attend across documents
+    with pytest.raises(ValueError, match=r"got none of \['position_ids'\].*keeping attention inside it"):
+        collate([no_positions])
+    with pytest.raises(ValueError, match="expected a dict of tensors .*got list"):
+        collate([[1, 2, 3]])
 
 
 def test_teacher_logz_only_for_a_stored_temperature(built_cache):

@@ -33,6 +33,10 @@ def test_lora_flags_are_checked_before_anything_loads(built_cache, tmp_path, mon
         check_config(config(built_cache, tmp_path, merge=True))
     with pytest.raises(ValueError, match="report_to: expected one of"):
         check_config(config(built_cache, tmp_path, report_to="mlflow"))
+    with pytest.raises(ValueError, match="--lora-alpha: expected a number >= 0"):
+        check_config(config(built_cache, tmp_path, lora_rank=4, lora_alpha=-8))
+    with pytest.raises(ValueError, match=r"--lora-targets: expected modules of the body, got \['lm_head'\]"):
+        check_config(config(built_cache, tmp_path, lora_rank=4, lora_targets=["q_proj", "lm_head"]))
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     with pytest.raises(ValueError, match=r"--lora-rank: expected the peft package.*topkd\[hf\]"):
         check_config(config(built_cache, tmp_path, lora_rank=4))
@@ -67,3 +71,16 @@ def test_lora_trains_only_adapters_and_writes_them(built_cache, tmp_path):
     with_adapter = PeftModel.from_pretrained(base, tmp_path / "final" / "adapter").merge_and_unload().state_dict()
     assert all(torch.allclose(with_adapter[n], merged[n], atol=1e-6) for n in merged)
     assert os.path.exists(tmp_path / "final" / "adapter" / "tokenizer.json")
+
+
+def test_an_unmerged_lora_run_is_named_as_such_with_how_to_load_it(tmp_path):
+    """topkd eval --model RUN/final of a run without --merge: transformers' error said nothing of adapters."""
+    from topkd.eval.run import EvalConfig, run_eval
+
+    (tmp_path / "final" / "adapter").mkdir(parents=True)
+    (tmp_path / "final" / "base").mkdir()
+    with pytest.raises(ValueError, match=r"got LoRA adapters .* for the base model in .*final/base; rerun the same "
+                                         "topkd train command with --merge"):
+        run_eval(EvalConfig(model=str(tmp_path / "final"), text=[__file__]))
+    with pytest.raises(ValueError, match="expected a model directory with config.json"):
+        run_eval(EvalConfig(model=str(tmp_path / "final" / "base"), text=[__file__]))

@@ -1,4 +1,5 @@
 """The student module: cut layers, vocabulary and top-K checks, soft-capping, the bf16 head."""
+import dataclasses
 
 import pytest
 import torch
@@ -67,6 +68,13 @@ def test_a_qwen_shaped_pair_trains_the_smaller_head(teacher_dir, text_file, tmp_
     with pytest.raises(ValueError, match=rf"largest: {cache.max_id}\), got {cache.max_id}"):
         train(config(str(tmp_path / "cache"), tmp_path / "refused", **smaller))
     train(config(str(tmp_path / "cache"), tmp_path / "folded", fold_beyond_vocab=True, **smaller))
+    from topkd.eval.run import EvalConfig, run_eval  # scored as it was trained: the folded ids in the tail
+
+    scored = EvalConfig(model=str(tmp_path / "folded" / "final"), cache=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="or pass --fold-beyond-vocab"):
+        run_eval(scored)
+    result = run_eval(dataclasses.replace(scored, fold_beyond_vocab=True))["vs_teacher"]
+    assert result["tokens"] > 0 and 0 < result["kl_bucket"] < 20 and 0 <= result["top1_agreement"] <= 1
 
 
 def test_folding_ids_beyond_the_student_is_exact_in_the_bucket_loss():

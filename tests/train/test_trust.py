@@ -84,6 +84,29 @@ def test_other_flags_on_an_existing_run_are_refused_but_more_steps_are_not(built
         train(config(built_cache, tmp_path, steps=5, fold_beyond_vocab=True))
 
 
+def test_a_resume_with_the_cache_spelled_another_way_continues(built_cache, tmp_path, monkeypatch):
+    """A job script that switched to absolute paths (or a symlink) could not resume: the cache is compared by
+    content (its build hash), as cache build compares its inputs; another cache is still refused."""
+    import shutil
+
+    from topkd.cache.manifest import build_hash
+    from topkd.train.config import _same_input
+
+    monkeypatch.chdir(os.path.dirname(built_cache))
+    train(config(os.path.basename(built_cache), tmp_path, steps=2))
+    os.symlink(built_cache, tmp_path / "link")
+    train(config(str(tmp_path / "link"), tmp_path, steps=3))
+    train(config(os.path.abspath(built_cache) + "/", tmp_path, steps=4))
+    assert len(losses(tmp_path)) == 4
+    other = shutil.copytree(built_cache, tmp_path / "other")
+    manifest = json.load(open(other / "manifest.json"))
+    manifest["build"]["seq_len"] += 1  # another build: its build hash differs
+    manifest["build_hash"] = build_hash(manifest["fingerprint"], manifest["build"])
+    json.dump(manifest, open(other / "manifest.json", "w"))
+    link = str(tmp_path / "link")
+    assert _same_input("cache", str(other)) != _same_input("cache", built_cache) == _same_input("cache", link)
+
+
 @pytest.mark.parametrize("where", ["student", "cache"])
 def test_out_inside_the_student_or_the_cache_is_refused(built_cache, tmp_path, teacher_dir, where):
     import shutil
@@ -187,3 +210,20 @@ def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
         n = sum(1 for _ in open(path))
         assert n in (20_000, 15_000), f"metrics.jsonl cut to {n} rows"
     assert killed >= 2, "the rewrite finished before the kills: make the file larger"
+
+
+def test_a_second_train_on_a_running_out_is_refused_and_the_first_goes_on(built_cache, tmp_path):
+    """A requeued cluster job overlapping the old one: both ran to the end, interleaving metrics.jsonl,
+    checkpoints and run.json. --out is now held by an exclusive lock."""
+    run = tmp_path / "run"
+    first = subprocess.Popen(cli_args(built_cache, run, 100_000), env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    _wait_for_rows(run / "metrics.jsonl", 2, first)
+    second = subprocess.run(cli_args(built_cache, run, 100_000), env=ENV, capture_output=True, text=True)
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"another topkd train is running there (process {first.pid} holds" in second.stderr
+    assert first.returncode == 128 + signal.SIGTERM, err[-2000:]
+    steps = [json.loads(line)["step"] for line in open(run / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1))  # one writer

@@ -10,7 +10,6 @@ The manifest is written last by rank 0; a cache without it is refused by the rea
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import itertools
 import os
@@ -20,14 +19,14 @@ from dataclasses import asdict, dataclass, field
 
 from topkd import dist
 from topkd.cache import manifest as mf
-from topkd.cache.compat import save_teacher_tokenizer
+from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer, tokenizer_problems
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_device, require_dtype, require_ints, require_path
 from topkd.data.chat import check_chat_tokenizer, check_train_on
-from topkd.data.documents import check_paths, iter_documents, pack_sequences
-from topkd.files import file_sha256
+from topkd.data.documents import chat_roles, check_paths, iter_documents, pack_sequences
+from topkd.files import exclusive_lock, file_sha256, refuse_links
 from topkd.progress import progress
 from topkd.signals import Interrupted
 
@@ -127,6 +126,7 @@ def build(cfg: CacheBuildConfig) -> dict:
     check_teacher_fits(teacher, cfg)
     me, builders = cfg.part * world + rank, cfg.parts * world
     total = _count_tokens(teacher, cfg, me, builders)  # also refuses empty or out-of-vocabulary data
+    refuse_links(cfg.out, ["shards", mf.MANIFEST, TOKENIZER_DIR])
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)  # only once the inputs are known to be usable
     with build_lock(cfg.out, f"{cfg.part}-{rank}"):
         fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
@@ -156,8 +156,8 @@ def build(cfg: CacheBuildConfig) -> dict:
         missing = [j for j, s in enumerate(sidecars) if s is None]
         if missing:
             raise mf.CacheError(f"shards {missing[:10]} are missing or failed verification; rerun the same command")
-        save_teacher_tokenizer(cfg.out, teacher.tokenizer)
-        manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars)
+        tokenizer_files = save_teacher_tokenizer(cfg.out, teacher.tokenizer)
+        manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars, tokenizer_files)
     totals = manifest["totals"]
     print(f"cache build: wrote {totals['shards']} shards, {totals['sequences']} sequences, {totals['tokens']} "
           f"tokens, {totals['bytes'] / 1e6:.2f} MB ({totals['bytes_per_token']:.1f} bytes/token) to {cfg.out}",
@@ -179,27 +179,12 @@ def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
                          f"{cfg.seq_len}; use --seq-len {limit} or less")
 
 
-@contextlib.contextmanager
 def build_lock(out: str, who: str):
     """One build process per (part, rank) of an --out: a second identical build is refused at once, never
-    left to delete or overwrite the first one's files. flock is released by the kernel when a process dies."""
-    path = os.path.join(out, f".build-{who}.lock")
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "?"
-            raise mf.CacheError(f"{out}: another build is writing there (process {holder} holds {path}); wait for it "
-                                "to finish, or build into another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    left to delete or overwrite the first one's files."""
+    return exclusive_lock(os.path.join(out, f".build-{who}.lock"),
+                          f"{out}: another build is writing there (process {{holder}} holds {{path}}); wait for it "
+                          "to finish, or build into another --out")
 
 
 def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int, total: int) -> int:
@@ -238,14 +223,27 @@ def _sequences(teacher, cfg: CacheBuildConfig):
 
 def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
     """A tokenising pass before the teacher runs: this rank's total for the progress bar and ETA, and a refusal
-    of data with no tokens but separators (which would otherwise make a cache that trains on nothing)."""
-    separator, total, content = teacher.tokenizer.eos_token_id, 0, False
+    of data with no tokens but separators, or chat data with no target (which would make a cache that trains on
+    nothing); the number of chat targets is printed."""
+    separator, total, content, counted, masked = teacher.tokenizer.eos_token_id, 0, False, 0, False
     for j, group in enumerate(_batched(_sequences(teacher, cfg), cfg.seqs_per_shard)):
         total += sum(len(s.tokens) for s in group) if j % world == rank else 0
         content = content or any(bool((s.tokens != separator).any()) for s in group)
+        masked = masked or any(s.row_mask is not None for s in group)
+        counted += sum(len(s.tokens) if s.row_mask is None else int(s.row_mask.sum()) for s in group)
     if not content:
         raise ValueError(f"data: expected some text, got no tokens in {cfg.data} (empty files, or JSONL lines with "
                          "empty text); check the inputs")
+    if masked and not counted:
+        seen = chat_roles(cfg.data, cfg.messages_field)
+        roles = ", ".join(f"{r!r} x{n}" for r, n in seen.most_common(8))
+        why = ("the chat template renders none of their text" if "assistant" in seen else
+               "rename the replies' role to 'assistant'")
+        raise ValueError(f"chat data: expected assistant turns to train on (role 'assistant'), got none in "
+                         f"{cfg.data} (roles seen: {roles}); {why}, or pass --train-on all")
+    if masked and rank == 0:
+        print(f"cache build: chat data: {counted} of the data's tokens are training targets ({cfg.train_on} turns); "
+              "the rest is context", flush=True)
     return total
 
 
@@ -319,8 +317,8 @@ def _refuse_another_build(manifest: dict, root: str, build_hash: str) -> None:
 
 def _check_or_repair(root: str, build_hash: str) -> None:
     """A finished cache of this build whose every shard verifies is left as it is. A different finished build is
-    refused; a damaged manifest, or a deleted, truncated, corrupt or swapped shard, is set up for repair (the
-    bad files and the manifest removed), so the build redoes just those shards."""
+    refused; a damaged manifest, stored tokenizer, or a deleted, truncated, corrupt or swapped shard, is set up
+    for repair (the bad files and the manifest removed), so the build redoes just those shards."""
     path = os.path.join(root, mf.MANIFEST)
     if not os.path.exists(path):
         return
@@ -331,6 +329,11 @@ def _check_or_repair(root: str, build_hash: str) -> None:
         os.remove(path)
         return
     _refuse_another_build(manifest, root, build_hash)
+    damaged_tokenizer = tokenizer_problems(root, manifest)
+    if damaged_tokenizer:
+        print(f"cache build: {damaged_tokenizer[0]}; repairing: the tokenizer and the manifest are rewritten",
+              flush=True)
+        os.remove(path)
     bad = [j for j in range(len(manifest["shards"])) if mf.done_shard(root, j, build_hash, foreign="redo") is None]
     if not bad:
         return
@@ -340,4 +343,5 @@ def _check_or_repair(root: str, build_hash: str) -> None:
         for stale in (mf.shard_path(root, j), mf.sidecar_path(root, j)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(stale)
-    os.remove(path)
+    with contextlib.suppress(FileNotFoundError):  # already gone when the tokenizer was damaged too
+        os.remove(path)

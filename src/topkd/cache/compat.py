@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
+from topkd.cache import manifest as mf
 from topkd.cache.teacher import tokenizer_hash
+from topkd.files import refuse_links
 
 PROBE = ("The quick brown fox jumps over the lazy dog. 1234567890 + 3.14159 = x;\n"
          "def f(a, b):\n    return a ** 2 - b  # comment\n"
@@ -55,7 +58,9 @@ def check_student_fits(teacher_vocab: int, teacher_tokenizer_sha256: str, vocab_
         seen = "unknown (a cache from before builds recorded it)" if max_id is None else str(max_id)
         raise ValueError(f"student vocabulary: expected >= the teacher's {teacher_vocab} rows, or more than every id "
                          f"the cache holds (largest: {seen}), got {vocab_size}; use a student with the teacher's "
-                         "tokenizer and a large enough head" + ("" if max_id is not None else ", or rebuild the cache"))
+                         "tokenizer and a large enough head" + ("" if max_id is not None else ", or rebuild the cache")
+                         + ", or pass --fold-beyond-vocab (train and eval) to fold the teacher's mass on the ids "
+                         "beyond it into the tail")
     if tokenizer is None:
         return
     if teacher_tokenizer is not None:
@@ -73,20 +78,40 @@ def check_student_fits(teacher_vocab: int, teacher_tokenizer_sha256: str, vocab_
 TOKENIZER_DIR = "tokenizer"
 
 
-def save_teacher_tokenizer(root: str, tokenizer) -> None:
-    """The teacher's tokenizer files in the cache (root/tokenizer), for the token-by-token student check."""
-    path, tmp = os.path.join(root, TOKENIZER_DIR), os.path.join(root, TOKENIZER_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+def save_teacher_tokenizer(root: str, tokenizer) -> dict:
+    """The teacher's tokenizer files in the cache (root/tokenizer), for the token-by-token student check; returns
+    their sizes and checksums, which the manifest records (verify checks them, a rerun of the build repairs)."""
+    path = os.path.join(root, TOKENIZER_DIR)
+    refuse_links(root, [TOKENIZER_DIR])
+    tmp = tempfile.mkdtemp(prefix=TOKENIZER_DIR + ".tmp-", dir=root)  # new and private: nothing planted inside
+    try:
+        tokenizer.save_pretrained(tmp)
+        sums = mf.file_sums(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sums
 
 
-def load_teacher_tokenizer(root: str, fingerprint: dict):
+def tokenizer_problems(root: str, manifest: dict) -> list[str]:
+    """What is wrong with the stored tokenizer against the manifest's checksums ([]: intact, or not recorded)."""
+    sums = manifest.get("tokenizer_files")
+    return [] if sums is None else mf.file_sums_problems(os.path.join(root, TOKENIZER_DIR), sums, TOKENIZER_DIR)
+
+
+def load_teacher_tokenizer(root: str, manifest: dict):
     """The teacher's tokenizer: the cache's copy, else the teacher directory's; only if it hashes as the
-    fingerprint says (a swapped or edited copy is ignored). None when neither is there."""
+    fingerprint says (a swapped copy is ignored). A stored copy whose files differ from the checksums the
+    build recorded is refused: a damaged tokenizer must not make the right student look wrong. None when
+    neither is there."""
     from transformers import AutoTokenizer
 
+    fingerprint = manifest["fingerprint"]
+    problems = tokenizer_problems(root, manifest)
+    if problems and os.path.exists(os.path.join(root, TOKENIZER_DIR)):
+        raise mf.CacheError(f"cache {root}: its stored teacher tokenizer is damaged ({problems[0]}); rerun the build "
+                            "command to repair it (the shards are kept)")
     for place in (os.path.join(root, TOKENIZER_DIR), fingerprint.get("teacher", "")):
         if place and os.path.isdir(place):
             try:

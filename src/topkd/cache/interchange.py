@@ -14,13 +14,16 @@ Import reads such a dataset (any K, ids in any order) into a topkd cache: row t 
 dataset's target t + 1, so each row's last token has no row and is dropped from its inputs. The exact tail
 is unknown: it is taken as 1 - top-K mass (0 when the dataset's log-probs were renormalised, which makes the
 bucket loss the renormalised one) and the manifest says so; no c_T is stored (tempered bucket KD refused).
-A position with target_mask 0 inside a row has no trusted teacher row: such rows are refused (per-token loss
-masks are not in this cache format).
+A position with target_mask 0 does not count (a prompt, padding): it is stored as a masked row (format 3, as chat
+caches are), so a masked cache exported by topkd imports back. Every row is validated as the loss and the reader
+would (integer ids in range, K distinct, finite log-probs <= 0, top-K mass <= 1), and refused in one line naming
+the row, never coerced.
 """
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +38,7 @@ from topkd.cache.teacher import fingerprint
 from topkd.checks import require_ints, require_path
 from topkd.data.dataset import TopKDataset
 from topkd.files import file_sha256, write_json_atomic
+from topkd.rows import check_values
 
 FORMATS = ("axolotl",)
 
@@ -114,32 +118,68 @@ def axolotl_row(item: dict[str, torch.Tensor]) -> dict[str, list]:
 
 
 def export_axolotl(cache_dir: str, out: str) -> str:
-    """Write the cache as an Axolotl KD dataset in out (see the module docstring); returns the Parquet path."""
+    """Write the cache as an Axolotl KD dataset in out (see the module docstring); returns the Parquet path. The
+    cache is verified first; a failure part way removes what this export wrote, so a rerun starts clean."""
     datasets = _require_datasets()
     cache = TopKCache(cache_dir)
+    problems = cache.verify()
+    if problems:
+        raise mf.CacheError(f"cache {cache_dir}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if
+                            len(problems) > 1 else "") + "; rerun its build command to repair it, then export")
     data = TopKDataset(cache, packing="none")  # one row per document piece: no attention across documents
     path = os.path.join(out, DATA_FILE)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    rows = datasets.Dataset.from_generator(lambda: (axolotl_row(data[i]) for i in range(len(data))))
-    rows.to_parquet(path + ".tmp")
-    os.replace(path + ".tmp", path)
-    write_json_atomic(os.path.join(out, "topkd_export.json"),
-                      {"format": "axolotl", "cache": os.path.abspath(cache_dir), "fingerprint": cache.fingerprint,
-                       "rows": len(data), "lost": "the tail bucket and c_T (Axolotl renormalises over the top-K)"})
+    existed = os.path.isdir(out)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        rows = datasets.Dataset.from_generator(lambda: (axolotl_row(data[i]) for i in range(len(data))))
+        rows.to_parquet(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        write_json_atomic(os.path.join(out, "topkd_export.json"),
+                          {"format": "axolotl", "cache": os.path.abspath(cache_dir), "fingerprint": cache.fingerprint,
+                           "rows": len(data), "lost": "the tail bucket and c_T (Axolotl renormalises over the top-K)"})
+    except BaseException as e:
+        for name in os.listdir(out) if os.path.isdir(out) else []:  # check_out: it held nothing of anyone's
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None  # datasets wraps the generator's
+        if cause is not None:
+            raise cause from None
+        raise
     print(f"cache export: wrote {len(data)} rows ({cache.tokens} tokens, K={cache.k}) to {path}", flush=True)
     return path
 
 
-def imported_sequence(row: dict, index: int) -> TeacherSequence:
-    """One Axolotl KD row -> the topkd sequence it holds (tokens 0..L-2, row t = target t + 1), rank-ordered."""
-    ids = np.asarray(row["target_token_ids"], dtype=np.int64)[1:]
-    lp = np.asarray(row["target_logprobs"], dtype=np.float64)[1:]
-    mask = np.asarray(row["target_mask"])[1:]
-    if len(ids) == 0 or not mask.all() or not np.isfinite(lp).all():
-        bad = int(np.flatnonzero(~(mask.all(-1) & np.isfinite(lp).all(-1)))[0]) + 1 if len(ids) else 0
-        raise ValueError(f"import: row {index} position {bad}: expected a counted target with finite log-probs at "
-                         "every position after the first, got a masked or empty one; topkd caches hold a teacher row "
-                         "for every token (export only the trained spans, or drop such rows)")
+IMPORT_COLUMNS = ("input_ids", "target_token_ids", "target_logprobs", "target_mask")
+
+
+def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
+    """One Axolotl KD row -> the topkd sequence it holds (tokens 0..L-2, row t = target t + 1), rank-ordered.
+    Validated as the loss and the reader would: a bad row is refused here, never at training step N."""
+    where = f"import: row {index}"
+    inputs = _numbers(row, "input_ids", where, 1)
+    ids, lp, mask = (_numbers(row, name, where, 2) for name in IMPORT_COLUMNS[1:])
+    if not lp.shape == mask.shape == ids.shape or len(inputs) != len(ids) or len(ids) < 2:
+        raise ValueError(f"{where}: expected input_ids [L] and target_token_ids, target_logprobs, target_mask [L][K] "
+                         f"of one length L >= 2, got {len(inputs)}, {ids.shape}, {lp.shape}, {mask.shape}; every "
+                         "position needs its K targets (Axolotl pads with mask 0)")
+    for name, values in (("input_ids", inputs), ("target_token_ids", ids)):
+        if not (np.isfinite(values).all() and (values == np.round(values)).all()):
+            raise ValueError(f"{where} {name}: expected integer token ids, got fractional or null values; the "
+                             "dataset was not written as token ids (cast them, or re-export it)")
+    if inputs.min() < 0 or inputs.max() >= vocab:
+        raise ValueError(f"{where} input_ids: expected ids in [0, {vocab}), got range [{int(inputs.min())}, "
+                         f"{int(inputs.max())}]; pass the teacher's tokenizer, or --vocab-size its lm_head rows")
+    ids, lp, mask = ids[1:].astype(np.int64), lp[1:], mask[1:] != 0
+    counted = mask.all(1)
+    if (mask.any(1) & ~counted).any():
+        raise ValueError(f"{where} position {int(np.flatnonzero(mask.any(1) & ~counted)[0]) + 1}: expected a "
+                         "target_mask of all 1 or all 0 across the K entries, got a mix; topkd rows hold K entries")
+    try:  # exactly the loss's own value checks, on the rows that count
+        check_values(torch.from_numpy(ids[counted]), torch.from_numpy(lp[counted]), None, None, vocab, "renorm", 1.0)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    ids, lp = _placeholder_rows(ids, lp, ~counted, vocab)
     order = np.argsort(-lp, axis=1, kind="stable")
     ids, lp = np.take_along_axis(ids, order, 1), np.take_along_axis(lp, order, 1)
     log_mass = np.logaddexp.reduce(lp, axis=1)
@@ -147,25 +187,73 @@ def imported_sequence(row: dict, index: int) -> TeacherSequence:
     with np.errstate(divide="ignore"):
         log_tail = np.where(tail > 0, np.log(np.maximum(tail, 1e-30)), -np.inf)
     n = len(ids)
-    return TeacherSequence(input_ids=np.asarray(row["input_ids"][:n], dtype=np.int64), ids=ids,
-                           logprobs=lp.astype(np.float32), log_mass=log_mass.astype(np.float32),
-                           log_tail=log_tail.astype(np.float32), logz=np.zeros((n, 0), np.float32),
-                           doc_starts=np.zeros(1, np.int64), source_index=index)
+    return TeacherSequence(input_ids=inputs[:n].astype(np.int64), ids=ids, logprobs=lp.astype(np.float32),
+                           log_mass=log_mass.astype(np.float32), log_tail=log_tail.astype(np.float32),
+                           logz=np.zeros((n, 0), np.float32), doc_starts=np.zeros(1, np.int64), source_index=index,
+                           row_mask=None if counted.all() else counted)
+
+
+def _numbers(row: dict, name: str, where: str, dims: int) -> np.ndarray:
+    value = row.get(name)
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        array = None
+    if value is None or array is None or array.ndim != dims:
+        shape = "[L]" if dims == 1 else "[L][K] (K entries at every position)"
+        raise ValueError(f"{where} {name}: expected a {shape} list of numbers, got "
+                         f"{'null' if value is None else 'ragged or non-numeric lists'}; repair or drop that row")
+    return array
+
+
+def _placeholder_rows(ids: np.ndarray, lp: np.ndarray, rows: np.ndarray, vocab: int):
+    """Rows that do not count (target_mask 0: prompts, padding) keep the teacher's entries when those are a valid
+    row, else get a uniform stand-in (ids 0..K-1): never read by the loss, but every stored row must decode."""
+    k = ids.shape[1]
+    s = np.sort(ids, axis=1)
+    valid = (ids >= 0).all(1) & (ids < vocab).all(1) & (s[:, 1:] != s[:, :-1]).all(1) & np.isfinite(lp).all(1) \
+        & (lp <= 0).all(1) & (np.exp(np.minimum(lp, 0)).sum(1) <= 1 + 1e-2)
+    stand_in = rows & ~valid
+    ids, lp = ids.copy(), lp.copy()
+    ids[stand_in], lp[stand_in] = np.arange(k), -np.log(vocab)
+    return ids, lp
+
+
+def _read_import_rows(dataset_dir: str, files: list[str]):
+    """The dataset's rows, or one line saying what is wrong with the files as a whole."""
+    datasets = _require_datasets()
+    try:
+        rows = datasets.Dataset.from_parquet(files)
+    except Exception as e:  # datasets wraps every reader failure (DatasetGenerationError, ArrowInvalid, ...)
+        cause = e.__cause__ or e
+        raise ValueError(f"import: expected readable Parquet files under {dataset_dir}, got {type(cause).__name__}: "
+                         f"{str(cause).splitlines()[0][:200] if str(cause) else ''}; re-export the dataset") from None
+    missing = [c for c in IMPORT_COLUMNS if c not in rows.column_names]
+    if missing or len(rows) == 0:
+        raise ValueError(f"import: expected rows with the columns {list(IMPORT_COLUMNS)}, got {len(rows)} rows with "
+                         f"{rows.column_names}; pass an Axolotl KD dataset (what `topkd cache export --format "
+                         "axolotl` or Axolotl's KD preprocessing writes)")
+    return rows
 
 
 def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: int = 0) -> dict:
     """Write a topkd cache in out from an Axolotl KD dataset (see the module docstring); returns the manifest."""
     from transformers import AutoTokenizer
 
-    datasets = _require_datasets()
     files = sorted(glob.glob(os.path.join(dataset_dir, "**", "*.parquet"), recursive=True))
     if not files:
         raise ValueError(f"import: expected Parquet files under {dataset_dir}, got none; pass the directory that "
                          "`topkd cache export --format axolotl` (or Axolotl's KD preprocessing) wrote")
-    rows = datasets.Dataset.from_parquet(files)
-    seqs = [imported_sequence(rows[i], i) for i in range(len(rows))]
+    rows = _read_import_rows(dataset_dir, files)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     vocab = vocab_size or len(tokenizer)
+    seqs = [imported_sequence(rows[i], i, vocab) for i in range(len(rows))]
+    if len({s.ids.shape[1] for s in seqs}) > 1:
+        raise ValueError(f"import: expected one K in every row, got {sorted({s.ids.shape[1] for s in seqs})}; "
+                         "re-export the dataset with one top-K")
+    if not sum(len(s) if s.row_mask is None else int(s.row_mask.sum()) for s in seqs):
+        raise ValueError(f"import: expected some counted targets (target_mask 1), got none in {len(rows)} rows; "
+                         "nothing would train")
     fp = fingerprint(source=f"imported:{os.path.abspath(dataset_dir)}", weights_sha256="unknown",
                      config_sha256="unknown", tokenizer=tokenizer, dtype="unknown", vocab=vocab,
                      k=int(seqs[0].ids.shape[1]), temperatures=(), engine="import axolotl")
@@ -173,10 +261,6 @@ def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: i
                       for p in files],
              "seq_len": max(2, max(len(s) for s in seqs)), "codec": "rice-zstd", "separator": None,
              "tail": "unknown: taken as 1 - top-K mass (imported from an Axolotl KD dataset)"}
-    too_big = max(max(int(s.ids.max()), int(s.input_ids.max())) for s in seqs)
-    if too_big >= vocab:
-        raise ValueError(f"import: expected token ids below the vocabulary size {vocab}, got {too_big}; pass "
-                         "--vocab-size (the teacher's lm_head rows) or the teacher's own tokenizer")
     return _write_imported(seqs, out, fp, build, mf.build_hash(fp, build), tokenizer)
 
 
@@ -191,8 +275,7 @@ def _write_imported(seqs: list[TeacherSequence], out: str, fp: dict, build: dict
         nbytes = write_shard(mf.shard_path(out, j), arrays, meta)
         sidecars.append(mf.write_sidecar(out, j, nbytes, first, len(group), sum(len(s) for s in group), build_hash,
                                          **shard_facts(group, meta)))
-    save_teacher_tokenizer(out, tokenizer)
-    manifest = mf.write_manifest(out, fp, build, sidecars)
+    manifest = mf.write_manifest(out, fp, build, sidecars, save_teacher_tokenizer(out, tokenizer))
     print(f"cache import: wrote {len(seqs)} sequences, {manifest['totals']['tokens']} tokens (K={fp['k']}, tail "
           f"unknown: 1 - top-K mass) to {out}", flush=True)
     return manifest

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from topkd.cache.shard import CODECS, READABLE_VERSIONS, read_meta
+from topkd.cache.shard import CODECS, READABLE_VERSIONS, read_meta, read_row_counts
 from topkd.files import file_sha256, json_sha256, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -135,27 +135,35 @@ def done_shard(root: str, j: int, build: str, foreign: str = "refuse") -> dict |
     """The sidecar of shard j if the shard is complete and verified for this build, else None.
 
     A sidecar from a different build is an error (foreign="refuse": another build's files are never
-    overwritten) or, when repairing a cache whose manifest names this build (foreign="redo"), damage."""
+    overwritten) unless the shard's own checksummed metadata says it is this build's (then the sidecar is what
+    is damaged: one shard is redone, not the whole --out refused), or, when repairing a cache whose manifest
+    names this build (foreign="redo"), damage. A sidecar whose token or counted rows differ from the shard's
+    own is damaged too: redone, so a rerun repairs what the reader refuses."""
     side = read_sidecar(root, j)
     if side is None:
         return None
-    if side["build_hash"] != build:
-        if foreign == "redo":
-            return None
-        raise CacheError(f"{sidecar_path(root, j)} was written by a different build (teacher, data or settings "
-                         f"differ: build hash {side['build_hash'][:12]} vs {build[:12]}); "
-                         "use a new --out directory, or delete the old cache to rebuild it")
     if check_shard(root, side) is not None:
         return None
     try:
         meta = read_meta(os.path.join(root, side["file"]))
+        rows, counted = read_row_counts(os.path.join(root, side["file"]))
     except Exception:  # noqa: BLE001 - safetensors raises its own error type: any unreadable shard is redone
+        return None
+    if side["build_hash"] != build:
+        if foreign == "redo" or meta.get("build_hash") == build:
+            return None
+        raise CacheError(f"{sidecar_path(root, j)} was written by a different build (teacher, data or settings "
+                         f"differ: build hash {side['build_hash'][:12]} vs {build[:12]}); "
+                         "use a new --out directory, or delete the old cache to rebuild it")
+    if rows != side["tokens"] or counted != side.get("counted", counted):
         return None
     return side if identity_problem(meta, side, build) is None else None
 
 
-def write_manifest(root: str, fingerprint: dict, build: dict, sidecars: list[dict]) -> dict:
-    """Last step of a build: check the shards form 0..n-1 over consecutive sequences, then write atomically."""
+def write_manifest(root: str, fingerprint: dict, build: dict, sidecars: list[dict],
+                   tokenizer_files: dict | None = None) -> dict:
+    """Last step of a build: check the shards form 0..n-1 over consecutive sequences, then write atomically.
+    tokenizer_files: size and sha256 of each file of the stored teacher tokenizer (root/tokenizer)."""
     for j, side in enumerate(sidecars):
         if side["shard"] != j or (j and side["sequences"][0] != sidecars[j - 1]["sequences"][1]):
             raise CacheError(f"shards are not consecutive at shard {j}; rerun the build to complete it")
@@ -166,6 +174,8 @@ def write_manifest(root: str, fingerprint: dict, build: dict, sidecars: list[dic
                 "build": build, "build_hash": sidecars[0]["build_hash"] if sidecars else None, "shards": sidecars,
                 "totals": {"shards": len(sidecars), "sequences": sidecars[-1]["sequences"][1] if sidecars else 0,
                            "tokens": tokens, "bytes": nbytes, "bytes_per_token": nbytes / max(tokens, 1)}}
+    if tokenizer_files is not None:
+        manifest["tokenizer_files"] = tokenizer_files
     write_json_atomic(os.path.join(root, MANIFEST), manifest)
     return manifest
 
@@ -215,10 +225,40 @@ def check_manifest(m, path: str) -> None:
     if len(hashes) != 1:
         raise CacheError(f"{path}: shards come from {len(hashes)} different builds (mixed fingerprints); "
                          "rebuild the cache into an empty directory")
+    _check_file_sums(m.get("tokenizer_files", {}), f"{path}: tokenizer_files")
     want = {"shards": len(shards), "sequences": end, "tokens": sum(s["tokens"] for s in shards),
             "bytes": sum(s["bytes"] for s in shards)}
     wrong = {key: totals.get(key) for key, value in want.items() if totals.get(key) != value}
     need(not wrong, f"{path}: totals {wrong} do not match the shards ({ {k: want[k] for k in wrong} })")
+
+
+def file_sums(directory: str) -> dict:
+    """{name: {bytes, sha256}} of the plain files of a directory (the stored tokenizer)."""
+    return {name: {"bytes": os.path.getsize(p), "sha256": file_sha256(p)} for name in sorted(os.listdir(directory))
+            if os.path.isfile(p := os.path.join(directory, name))}
+
+
+def file_sums_problems(directory: str, sums: dict, label: str) -> list[str]:
+    """What differs between a directory's files and their recorded sums (missing, extra, size, checksum)."""
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return [f"{label}: missing (or not a plain directory)"]
+    names = set(os.listdir(directory))
+    problems = [f"{label}/{n}: missing" for n in sorted(set(sums) - names)]
+    problems += [f"{label}/{n}: not recorded by the build (added after it)" for n in sorted(names - set(sums))]
+    for name in sorted(set(sums) & names):
+        path = os.path.join(directory, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            problems.append(f"{label}/{name}: not a plain file")
+        elif os.path.getsize(path) != sums[name]["bytes"] or file_sha256(path) != sums[name]["sha256"]:
+            problems.append(f"{label}/{name}: size or sha256 differs from the build's (edited or damaged)")
+    return problems
+
+
+def _check_file_sums(sums, where: str) -> None:
+    plain = lambda n: isinstance(n, str) and n not in ("", ".", "..") and "/" not in n  # noqa: E731
+    need(isinstance(sums, dict) and all(plain(n) and isinstance(v, dict) and _is_int(v.get("bytes"), 0)
+                                        and _is_hex(v.get("sha256")) for n, v in sums.items()),
+         f"{where}: expected {{file name: {{bytes, sha256}}}}, got {str(sums)[:80]}; rerun the build to rewrite it")
 
 
 def _check_fingerprint(fp: dict, path: str) -> None:

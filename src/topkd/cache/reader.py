@@ -19,8 +19,8 @@ import torch
 from safetensors import SafetensorError
 
 from topkd.cache import manifest as mf
-from topkd.cache.compat import check_student_fits, load_teacher_tokenizer
-from topkd.cache.shard import ShardReader
+from topkd.cache.compat import check_student_fits, load_teacher_tokenizer, tokenizer_problems
+from topkd.cache.shard import ShardReader, read_row_counts
 
 SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq_rows", "seq_source",
                  "seq_token_offset", "doc_starts"}
@@ -58,10 +58,18 @@ class TopKCache:
         return self.fingerprint["teacher"]
 
     def load_teacher(self):
-        """The teacher that built this cache, loaded from its recorded path (what --init-from-teacher copies)."""
-        from topkd.cache.teacher import load_teacher
+        """The teacher that built this cache, loaded from its recorded path (what --init-from-teacher copies),
+        in the dtype it was built with, and only if its weights, config and tokenizer still hash as the
+        fingerprint says: a teacher directory overwritten after the build (a re-download into the same folder)
+        is refused, never copied into a student."""
+        from topkd.cache.teacher import identity_problem, load_teacher
 
-        return load_teacher(self.teacher_dir)
+        teacher = load_teacher(self.teacher_dir, str(self.fingerprint.get("dtype", "float32")))
+        problem = identity_problem(teacher, self.fingerprint)
+        if problem:
+            raise mf.CacheError(f"cache {self.path}: the teacher at {self.teacher_dir} is not the one that built it "
+                                f"({problem}); restore that checkpoint there, or rebuild the cache from this teacher")
+        return teacher
 
     def __len__(self) -> int:
         return self._len
@@ -114,7 +122,7 @@ class TopKCache:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | int]:
         j, local = self.locate(i)
         if self.verify_reads and (os.getpid(), j) not in self._verified:
-            problem = mf.check_shard(self.path, self.manifest["shards"][j])
+            problem = mf.check_shard(self.path, self.manifest["shards"][j]) or self._counted_problem(j)
             if problem:
                 raise mf.CacheError(f"cache {self.path}: {problem}; delete that shard and its .json sidecar and "
                                     "rerun the build command to redo it")
@@ -135,13 +143,22 @@ class TopKCache:
         return state
 
     def verify(self, progress: bool = False) -> list[str]:
-        """Every shard's size and sha256 against its sidecar; returns the problems (empty: all good)."""
+        """Every shard's size and sha256 against its sidecar, its counted rows against the sidecar's, and the
+        stored tokenizer's files against the manifest; returns the problems (empty: all good)."""
         from tqdm import tqdm
 
         shards = self.manifest["shards"]
-        problems = [mf.check_shard(self.path, s) for s in tqdm(shards, desc="verify", unit="shard",
-                                                                  disable=not progress)]
-        return [p for p in problems if p]
+        problems = [mf.check_shard(self.path, s) or self._counted_problem(j) for j, s in
+                    enumerate(tqdm(shards, desc="verify", unit="shard", disable=not progress))]
+        return [p for p in problems if p] + tokenizer_problems(self.path, self.manifest)
+
+    def _counted_problem(self, j: int) -> str | None:
+        """A shard's row_mask must count the rows its sidecar recorded (a rewritten mask with fixed checksums)."""
+        side = self.manifest["shards"][j]
+        _, counted = read_row_counts(os.path.join(self.path, side["file"]))
+        if counted != side.get("counted", counted):
+            return f"{side['file']}: its row_mask counts {counted} rows, the sidecar recorded {side['counted']}"
+        return None
 
     @property
     def seq_len(self) -> int:
@@ -181,6 +198,6 @@ class TopKCache:
 
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
         """Refuse a student whose head cannot hold the cache's ids or whose tokenizer gives other ids (compat)."""
-        teacher_tokenizer = None if tokenizer is None else load_teacher_tokenizer(self.path, self.fingerprint)
+        teacher_tokenizer = None if tokenizer is None else load_teacher_tokenizer(self.path, self.manifest)
         check_student_fits(self.vocab_size, self.fingerprint["tokenizer_sha256"], vocab_size, tokenizer,
                            teacher_tokenizer, self.max_id)

@@ -112,6 +112,14 @@ def read_meta(path: str) -> dict:
         return json.loads(f.get_tensor("meta_json").tobytes())
 
 
+def read_row_counts(path: str) -> tuple[int, int]:
+    """(rows, counted rows) from a shard's own tensors (seq_rows, row_mask): what its sidecar must record."""
+    with safe_open(path, framework="np") as f:
+        rows = int(f.get_tensor("seq_rows")[-1])
+        counted = int(f.get_tensor("row_mask").astype(bool).sum()) if "row_mask" in f.keys() else rows
+    return rows, counted
+
+
 class ShardReader:
     """Lazy, memory-mapped access to one shard; re-opens itself after a fork (DataLoader workers)."""
 

@@ -166,6 +166,19 @@ def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Te
     return Teacher(model=model, tokenizer=tokenizer, source=os.path.abspath(source), dtype=getattr(torch, dtype))
 
 
+def identity_problem(teacher: Teacher, fingerprint: dict) -> str | None:
+    """What differs between a loaded teacher and a cache fingerprint's record of it (None: the same model).
+    Cheap comparisons first; the weights' sha256 (about 1 s per GB) last."""
+    checks = (("config", lambda: config_hash(teacher.model.config), "config_sha256"),
+              ("tokenizer", lambda: tokenizer_hash(teacher.tokenizer), "tokenizer_sha256"),
+              ("weights", lambda: weights_hash(teacher.model), "weights_sha256"))
+    for what, digest, key in checks:
+        got = digest()
+        if key in fingerprint and got != fingerprint[key]:
+            return f"its {what} sha256 is {got[:12]}, the cache recorded {fingerprint[key][:12]}"
+    return None
+
+
 def weights_hash(model: torch.nn.Module) -> str:
     """sha256 over every parameter and buffer (name, dtype, shape, bytes), in state_dict order."""
     digest = hashlib.sha256()

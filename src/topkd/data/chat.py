@@ -38,10 +38,37 @@ def check_messages(messages, where: str) -> None:
     if not ok:
         raise ValueError(f"{where}: expected a non-empty list of {{\"role\": str, \"content\": str}} messages, got "
                          f"{str(messages)[:80]!r}; set --messages-field, or use text data")
+    for i, m in enumerate(messages):
+        check_text(m["content"], where, f"message {i} content")
 
 
-def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def check_text(text: str, where: str, what: str) -> None:
+    """JSON can spell a lone surrogate (a broken "\\ud83d" escape) that is no text a tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: {what}: expected text, got a lone surrogate {text[e.start:e.end]!r} at character "
+                         f"{e.start} (half of a broken \\uXXXX escape pair); repair or drop that record") from None
+
+
+TEMPLATE_REMEDY = {"TemplateSyntaxError": "the template is not valid Jinja; fix it, or pass --chat-template FILE",
+                   "UndefinedError": "the template uses a name this conversation does not give it; fix the template "
+                                     "(--chat-template FILE) or the record",
+                   "TemplateError": "the template refuses this conversation (e.g. roles must alternate "
+                                    "user/assistant, or a system turn is not allowed); fix the record, or pass "
+                                    "--chat-template FILE"}
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False, where: str = "chat") -> str:
+    """The conversation as the chat template renders it; a Jinja error is one line naming the record."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as e:
+        kind = type(e).__name__
+        remedy = TEMPLATE_REMEDY.get(kind, TEMPLATE_REMEDY["TemplateError"])
+        raise ValueError(f"{where}: the chat template failed ({kind}: {e}); {remedy}") from None
 
 
 def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
@@ -50,7 +77,8 @@ def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> l
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = render(tokenizer, messages[:i], True), render(tokenizer, messages[: i + 1])
+        through = render(tokenizer, messages[: i + 1], where=where)
+        before = render(tokenizer, messages[:i], True, where) if i else _before_first_reply(through, message, where)
         if not (text.startswith(through) and through.startswith(before)):
             raise ValueError(f"{where}: the chat template renders turn {i} differently inside the whole conversation "
                              "(it rewrites earlier turns), so assistant tokens cannot be located; pass "
@@ -59,10 +87,21 @@ def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> l
     return spans
 
 
+def _before_first_reply(through: str, message: dict, where: str) -> str:
+    """An opening assistant turn has no earlier conversation to render with a generation prompt (templates refuse
+    an empty one): its reply starts where its content does in the rendered turn."""
+    at = through.rfind(message["content"]) if message["content"] else -1
+    if at < 0:
+        raise ValueError(f"{where}: the conversation opens with an assistant turn whose text the chat template does "
+                         "not render as given, so its tokens cannot be located; start it with a user (or system) "
+                         "turn, or pass --train-on all")
+    return through[:at]
+
+
 def chat_document(messages: list[dict], tokenizer, train_on: str = "assistant", where: str = "chat") -> ChatDocument:
     check_messages(messages, where)
     check_chat_tokenizer(tokenizer)
-    text = render(tokenizer, messages)
+    text = render(tokenizer, messages, where=where)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     tokens = np.asarray(encoded["input_ids"], dtype=np.int64)
     if train_on == "all":

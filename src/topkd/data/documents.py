@@ -17,12 +17,13 @@ import contextlib
 import itertools
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from topkd.data.chat import ChatDocument, chat_document
+from topkd.data.chat import ChatDocument, chat_document, check_text
 
 TEXT_BLOCK_CHARS = 1 << 20  # a large text file is tokenised in blocks of whole lines
 SUFFIXES = (".txt", ".jsonl", ".npy")
@@ -105,12 +106,27 @@ def jsonl_records(path: str) -> Iterator[tuple[int, object]]:
             yield line_no, record
 
 
+def chat_roles(paths: list[str], messages_field: str = "messages") -> Counter:
+    """How often each role occurs in the conversations of the .jsonl files (what a refusal shows)."""
+    roles: Counter = Counter()
+    for path in (p for p in paths if p.endswith(".jsonl")):
+        for _, record in jsonl_records(path):
+            messages = record.get(messages_field) if isinstance(record, dict) else None
+            roles.update(m.get("role") for m in messages or [] if isinstance(m, dict))
+    return roles
+
+
 def _jsonl_documents(path: str, tokenizer, field: str, messages_field: str, train_on: str
                      ) -> Iterator[np.ndarray | ChatDocument]:
     """A text record is one document; a conversation record (messages_field) is one ChatDocument."""
     for line_no, record in jsonl_records(path):
-        if isinstance(record, dict) and messages_field in record and field not in record:
-            yield chat_document(record[messages_field], tokenizer, train_on, where=f"{path}:{line_no}")
+        where = f"{path}:{line_no}"
+        if isinstance(record, dict) and messages_field in record and field in record:
+            raise ValueError(f"{where}: expected either a text field {field!r} or a conversation {messages_field!r}, "
+                             f"got both; pick one: --messages-field '' reads the text, --text-field '' the "
+                             "conversation")
+        if isinstance(record, dict) and messages_field in record:
+            yield chat_document(record[messages_field], tokenizer, train_on, where=where)
             continue
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             keys = list(record)[:5] if isinstance(record, dict) else []
@@ -118,6 +134,7 @@ def _jsonl_documents(path: str, tokenizer, field: str, messages_field: str, trai
             raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r} or a conversation "
                              f"in {messages_field!r}, got {type(record).__name__} with keys {keys} ({field}: {got}); "
                              "set --text-field or --messages-field")
+        check_text(record[field], where, field)
         yield _encode(tokenizer, record[field])
 
 

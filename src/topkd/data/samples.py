@@ -142,9 +142,32 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Samples (TopKDataset items) padded to the longest of them and stacked: [B, L(, K)] tensors."""
     if not samples:
         raise ValueError("collate: expected at least one sample, got an empty list")
+    for i, sample in enumerate(samples):
+        _check_sample(sample, i)
     longest = max(len(s["input_ids"]) for s in samples)
     padded = [_pad(s, longest) for s in samples]
     return {name: torch.stack([s[name] for s in padded]) for name in padded[0]}
+
+
+SAMPLE_KEYS = ("input_ids", "position_ids", "labels", "kd_mask", "teacher_ids", "teacher_logprobs")
+
+
+def _check_sample(sample, i: int) -> None:
+    """An item as TopKDataset makes it; anything else is refused with the way to get one (never trained on)."""
+    hint = ("read the cache through topkd.data.TopKDataset (for TRL's SFTTrainer: topkd.hf.as_hf_dataset of one), "
+            "whose items are exactly these")
+    if not isinstance(sample, dict):
+        raise ValueError(f"collate: sample {i}: expected a dict of tensors (a TopKDataset item), got "
+                         f"{type(sample).__name__}; {hint}")
+    missing = [k for k in SAMPLE_KEYS if k not in sample]
+    if missing:  # without position_ids, attention would run across the documents packed into a sample
+        raise ValueError(f"collate: sample {i}: expected the keys {list(SAMPLE_KEYS)}, got none of {missing} (keys "
+                         f"{sorted(sample)}); position_ids restart at each document, keeping attention inside it; "
+                         + hint)
+    loose = [k for k, v in sample.items() if not isinstance(v, torch.Tensor)]
+    if loose:
+        kinds = ", ".join(f"{k}: {type(sample[k]).__name__}" for k in loose)
+        raise ValueError(f"collate: sample {i}: expected torch tensors, got {kinds}; {hint}")
 
 
 def temperature_column(source: SequenceSource, temperature: float | None) -> int | None:

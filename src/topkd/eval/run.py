@@ -36,6 +36,7 @@ class EvalConfig:
     max_sequences: int = 0
     lm_eval: list[str] = field(default_factory=list)
     lm_eval_include: str = ""
+    fold_beyond_vocab: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     out: str = ""
@@ -53,6 +54,8 @@ EVAL_HELP = {
     "max_sequences": "score only this many cache sequences (0: all)",
     "lm_eval": "comma-separated lm-eval task names run through lm-evaluation-harness (optional extra)",
     "lm_eval_include": "a directory of your own lm-eval task YAMLs (e.g. tasks on local JSONL files) for --lm-eval",
+    "fold_beyond_vocab": "--cache: score a head smaller than the cache's ids (a student trained with "
+                         "--fold-beyond-vocab) with those ids in the tail, as it was trained",
     "dtype": "model weights dtype: float32 | bfloat16 | float16",
     "device": "cpu | cuda",
     "out": "JSON file for the results (default: none; the last printed line is the same JSON)",
@@ -87,8 +90,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         result["text"] = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens)
     if cfg.cache:
         cache = TopKCache(cfg.cache)
-        cache.check_student(model.get_output_embeddings().weight.shape[0], tokenizer)
-        result["vs_teacher"] = evaluate_vs_cache(model, cache, cfg.max_sequences)
+        rows = model.get_output_embeddings().weight.shape[0]
+        cache.check_student(max(rows, cache.vocab_size) if cfg.fold_beyond_vocab else rows, tokenizer)
+        result["vs_teacher"] = evaluate_vs_cache(model, cache, cfg.max_sequences, cfg.fold_beyond_vocab)
     for path in cfg.choices:
         items, skipped = load_choice_file(path)
         if cfg.limit and cfg.limit < len(items):

@@ -21,12 +21,15 @@ from topkd.cache import TopKCache
 from topkd.data.samples import SampleStream
 from topkd.eval.heads import head_stats
 from topkd.loss import fused_linear_kd
+from topkd.loss.fold import fold_beyond
 from topkd.models import final_hidden, model_head
 from topkd.progress import track
 
 
 @torch.no_grad()
-def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0) -> dict:
+def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0, fold_beyond_vocab: bool = False) -> dict:
+    """fold_beyond_vocab: a head smaller than the cache's ids (trained with --fold-beyond-vocab) is scored with those
+    ids folded into the tail, as it was trained (topkd/loss/fold.py): its probability on them is 0."""
     stream = SampleStream(cache, cache.seq_len, seed=0)
     weight, bias, softcap = model_head(model)
     weight = weight[: cache.vocab_size]  # padded student rows are not part of its distribution over V
@@ -46,9 +49,11 @@ def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0) -> dict:
             continue
         hidden = final_hidden(model, sample["input_ids"][None], sample["position_ids"][None])[0][mask]
         ids, logprobs = sample["teacher_ids"][mask], sample["teacher_logprobs"][mask]
-        with torch.no_grad():
-            sums["kl_bucket"] += float(fused_linear_kd(hidden, weight, ids, logprobs, bias=bias, reduction="sum"))
-        stats = head_stats(hidden, weight, bias, teacher_ids=ids)
+        w, b = weight, bias
+        if fold_beyond_vocab:
+            w, b, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
+        sums["kl_bucket"] += float(fused_linear_kd(hidden, w, ids, logprobs, bias=b, reduction="sum"))
+        stats = head_stats(hidden, w, b, teacher_ids=ids)
         student = stats["logprobs_at_teacher_ids"].double()
         teacher = logprobs.double()
         p_renorm, q_renorm = teacher.log_softmax(dim=-1), student.log_softmax(dim=-1)

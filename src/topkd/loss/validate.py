@@ -12,13 +12,11 @@ import torch
 from torch import Tensor
 
 from topkd.loss.divergences import DIVERGENCES, TAILS
+from topkd.rows import check_values  # noqa: F401  (the teacher rows' value checks: one home, shared with import)
 
 IMPLS = ("fused", "chunked", "dense", "triton")
 REDUCTIONS = ("mean", "sum", "none")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-LOGPROB_SLACK = 1e-4  # log-probs above this are not log-probs (rounding gives ~1e-7)
-MASS_SLACK = 1e-2  # teacher top-K mass above 1 + this means unnormalised input
-VALUE_CHECK_ROWS = 4096  # value checks walk rows in blocks so they add no O(N K) float64 peak
 
 
 def _need(ok: bool, message: str) -> None:
@@ -101,53 +99,6 @@ def _check_per_token(name: str, t, lead: tuple, dtype_ok, dtype_word: str) -> No
     _type(isinstance(t, Tensor) and dtype_ok(t.dtype),
           f"{name}: expected {dtype_word} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     _need(tuple(t.shape) == lead, f"{name}: expected shape {lead} (one per token), got {tuple(t.shape)}")
-
-
-def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: str, temperature: float) -> None:
-    """Value checks on the counted tokens ([n, K] etc.). Meta tensors (cost-model traces) have no values."""
-    if ids.numel() == 0 or ids.device.type == "meta":
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    _need(lo >= 0 and hi < vocab, f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
-          "is the cache built for another vocabulary?")
-    tempered_logz = logz if (logz is not None and tail == "bucket") else None
-    dup_rows, mass, tempered = 0, 0.0, 0.0
-    for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):  # blocks: no N x K float64 temporaries
-        block = slice(a, a + VALUE_CHECK_ROWS)
-        dup_rows += _duplicate_rows(ids[block])
-        lp = logprobs[block].double()
-        mass = max(mass, lp.exp().sum(-1).max().item())
-        if tempered_logz is not None:
-            shifted = lp / temperature - tempered_logz[block].double().unsqueeze(-1)
-            tempered = max(tempered, shifted.exp().sum(-1).max().item())
-    if dup_rows:
-        raise ValueError(f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
-                         "token(s); drop repeated ids")
-    bad = ~torch.isfinite(logprobs)
-    _need(not bool(bad.any()), f"teacher_logprobs: expected finite values, got {int(bad.sum())} NaN/inf; "
-          "mask those tokens out or repair the cache")
-    top = float(logprobs.max())
-    _need(top <= LOGPROB_SLACK, f"teacher_logprobs: expected log-probabilities (<= 0), got max {top:.4g}; "
-          "pass log_softmax(teacher_logits) over the full vocabulary, not raw logits")
-    _need(mass <= 1 + MASS_SLACK, f"teacher_logprobs: expected top-K mass <= 1, got {mass:.4g}; normalise over "
-          "the full vocabulary at T=1 (log_softmax), not over the top-K")
-    if logz is not None:
-        _need(bool(torch.isfinite(logz).all()), "teacher_logz: expected finite c_T values, got NaN/inf")
-        if tempered_logz is not None:
-            _need(tempered <= 1 + MASS_SLACK, f"teacher_logz: tempered top-K mass exp(a/T - c_T) sums to "
-                  f"{tempered:.4g} > 1; c_T must be log sum_v exp(a_v/T) over the full vocabulary at T={temperature}")
-    if labels is not None:
-        valid = labels[labels != -100]
-        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
-            raise ValueError(f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
-                             f"[{int(valid.min())}, {int(valid.max())}]")
-
-
-def _duplicate_rows(ids: Tensor) -> int:
-    if ids.shape[-1] < 2:
-        return 0
-    s = ids.sort(dim=-1).values
-    return int((s[:, 1:] == s[:, :-1]).any(dim=-1).sum())
 
 
 def check_triton(dtype: torch.dtype, ce_weight: float, temperature: float) -> None:

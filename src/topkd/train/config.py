@@ -136,13 +136,31 @@ def check_resume(out: str, cfg: TrainConfig, world: int, resuming: bool) -> None
             before = json.load(f)
         defaults = asdict(TrainConfig())  # a setting added after that run was recorded had its default then
         before = {**{k: defaults[k] for k in now if k in defaults}, **before}
-        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        changed = sorted(k for k in set(before) | set(now)
+                         if _same_input(k, before.get(k)) != _same_input(k, now.get(k)))
         if changed:
             diffs = ", ".join(f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
             raise ValueError(f"{out} holds a run with other settings ({diffs}); rerun with that run's flags to "
                              "resume it (only --steps and speed/memory flags may change), or use a new --out")
     elif dist.rank() == 0:
         write_json_atomic(path, now)
+
+
+def _same_input(key: str, value):
+    """A setting as resuming compares it: inputs by what they are, not how they were spelled (./caches/A, an
+    absolute path, a symlink): a cache by its build hash, other paths by their real path."""
+    if key == "cache" and value and os.path.isdir(value):
+        from topkd.cache import manifest as mf
+
+        try:
+            return "cache build " + mf.load_manifest(value)["build_hash"]
+        except mf.CacheError:
+            return os.path.realpath(value)
+    if key in ("student", "teacher") and value:
+        return os.path.realpath(value)
+    if key == "data" and isinstance(value, list):
+        return [os.path.realpath(v) for v in value]
+    return value
 
 
 def check_paths(cfg: TrainConfig, teacher_dir: str | None = None) -> None:
@@ -197,6 +215,13 @@ def check_lora_and_reporting(cfg: TrainConfig) -> None:
     if (cfg.lora_alpha or cfg.lora_targets or cfg.merge) and not cfg.lora_rank:
         raise ValueError(f"--lora-alpha, --lora-targets and --merge go with --lora-rank R, got lora_rank=0 with "
                          f"alpha={cfg.lora_alpha} targets={cfg.lora_targets} merge={cfg.merge}; add --lora-rank")
+    if not (isinstance(cfg.lora_alpha, (int, float)) and cfg.lora_alpha >= 0):
+        raise ValueError(f"--lora-alpha: expected a number >= 0 (0: twice --lora-rank), got {cfg.lora_alpha!r}")
+    head = [t for t in cfg.lora_targets if t in ("lm_head", "embed_out", "output")]
+    if head:
+        raise ValueError(f"--lora-targets: expected modules of the body, got {head}: the fused KD loss reads the "
+                         "lm_head weight directly, so it stays frozen (adapters on it would get no gradient); "
+                         "drop it from --lora-targets, or train the full model without --lora-rank")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before the process group exists
     if cfg.lora_rank and world > 1:
         raise ValueError(f"--lora-rank: expected one process, got {world} under torchrun (LoRA is not wired "

@@ -28,6 +28,7 @@ from topkd import dist
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
 from topkd.data.samples import SampleStream, count_tokens
+from topkd.files import exclusive_lock
 from topkd.loss import loss_parts
 from topkd.memory import process_peak_bytes, reserved_peak_bytes
 from topkd.progress import progress
@@ -51,6 +52,10 @@ def train(cfg: TrainConfig) -> dict:
     source = open_source(cfg, device)
     check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
     check_top_k(cfg.top_k, source)
+    if getattr(source, "counted_tokens", None) == 0:
+        raise ValueError(f"cache {cfg.cache}: expected rows that count for the loss, got 0 of its {source.tokens} "
+                         "tokens (chat data without assistant turns); rebuild it with --train-on all, or from "
+                         "conversations whose replies have role 'assistant'")
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
     options = loss_options(cfg)
@@ -63,8 +68,17 @@ def train(cfg: TrainConfig) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 GEMM left (a fp32 run's body) on tensor cores
     optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-    state = {"step": 0, "samples": 0}
     os.makedirs(cfg.out, exist_ok=True)
+    with exclusive_lock(os.path.join(cfg.out, f".train-{rank}.lock"),
+                        f"{cfg.out}: another topkd train is running there (process {{holder}} holds {{path}}); wait "
+                        "for it to finish (an overlapping requeued job?), or train into another --out"):
+        return resume_and_run(module, student, stream, optimizer, scheduler, cfg, world)
+
+
+def resume_and_run(module: KDStudent, student, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig,
+                   world: int) -> dict:
+    """With --out held: resume from its newest checkpoint, run the remaining steps, save final/ and the plot."""
+    rank, state = dist.rank(), {"step": 0, "samples": 0}
     check_resume(cfg.out, cfg, world, resuming=ckpt.latest_step(cfg.out) is not None)
     resumed = ckpt.load_latest(cfg.out, module, optimizer, scheduler, state)
     if state["step"] > cfg.steps:
@@ -231,9 +245,12 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
     grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
     lr, loss = optimizer.param_groups[0]["lr"], dist.all_sum(total)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if finite:
+    if not tokens and rank == 0:  # loss and gradient 0: an update would only apply decay and stale momentum
+        print(f"topkd train: warning: step {state['step'] + 1}: its samples hold no counted token (chat prompts "
+              "only); skipped, the weights were not updated", file=sys.stderr, flush=True)
+    if finite and tokens:
         optimizer.step()
-    elif not cfg.skip_nonfinite:  # never apply, let alone checkpoint, NaN weights
+    elif not finite and not cfg.skip_nonfinite:  # never apply, let alone checkpoint, NaN weights
         last = ckpt.latest_step(cfg.out)
         raise ValueError(f"step {state['step'] + 1}: loss {loss} / gradient norm {grad_norm} is not finite; the "
                          "weights were not updated and the newest checkpoint "

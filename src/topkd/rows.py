@@ -1,0 +1,68 @@
+"""What a valid teacher row is: ids in [0, V), K distinct, finite log-probs <= 0, top-K mass <= 1, a c_T whose
+tempered mass is <= 1, labels in range. One home for these checks: the loss runs them on the counted tokens of
+every batch (topkd/loss/validate.py), `topkd cache import` on every row it reads (topkd/cache/interchange.py).
+
+    check_values(ids, logprobs, logz, labels, vocab, tail="bucket", temperature=1.0)   # ValueError naming the fix
+
+O(N K), never O(N V); rows are walked in blocks, so no N x K float64 temporary is made.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOGPROB_SLACK = 1e-4  # log-probs above this are not log-probs (rounding gives ~1e-7)
+MASS_SLACK = 1e-2  # teacher top-K mass above 1 + this means unnormalised input
+VALUE_CHECK_ROWS = 4096  # value checks walk rows in blocks so they add no O(N K) float64 peak
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: str, temperature: float) -> None:
+    """Value checks on the counted tokens ([n, K] etc.). Meta tensors (cost-model traces) have no values."""
+    if ids.numel() == 0 or ids.device.type == "meta":
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    _need(lo >= 0 and hi < vocab, f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
+          "is the cache built for another vocabulary?")
+    tempered_logz = logz if (logz is not None and tail == "bucket") else None
+    dup_rows, mass, tempered = 0, 0.0, 0.0
+    for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):  # blocks: no N x K float64 temporaries
+        block = slice(a, a + VALUE_CHECK_ROWS)
+        dup_rows += _duplicate_rows(ids[block])
+        lp = logprobs[block].double()
+        mass = max(mass, lp.exp().sum(-1).max().item())
+        if tempered_logz is not None:
+            shifted = lp / temperature - tempered_logz[block].double().unsqueeze(-1)
+            tempered = max(tempered, shifted.exp().sum(-1).max().item())
+    if dup_rows:
+        raise ValueError(f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
+                         "token(s); drop repeated ids")
+    bad = ~torch.isfinite(logprobs)
+    _need(not bool(bad.any()), f"teacher_logprobs: expected finite values, got {int(bad.sum())} NaN/inf; "
+          "mask those tokens out or repair the cache")
+    top = float(logprobs.max())
+    _need(top <= LOGPROB_SLACK, f"teacher_logprobs: expected log-probabilities (<= 0), got max {top:.4g}; "
+          "pass log_softmax(teacher_logits) over the full vocabulary, not raw logits")
+    _need(mass <= 1 + MASS_SLACK, f"teacher_logprobs: expected top-K mass <= 1, got {mass:.4g}; normalise over "
+          "the full vocabulary at T=1 (log_softmax), not over the top-K")
+    if logz is not None:
+        _need(bool(torch.isfinite(logz).all()), "teacher_logz: expected finite c_T values, got NaN/inf")
+        if tempered_logz is not None:
+            _need(tempered <= 1 + MASS_SLACK, f"teacher_logz: tempered top-K mass exp(a/T - c_T) sums to "
+                  f"{tempered:.4g} > 1; c_T must be log sum_v exp(a_v/T) over the full vocabulary at T={temperature}")
+    if labels is not None:
+        valid = labels[labels != -100]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+            raise ValueError(f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
+                             f"[{int(valid.min())}, {int(valid.max())}]")
+
+
+def _duplicate_rows(ids: Tensor) -> int:
+    if ids.shape[-1] < 2:
+        return 0
+    s = ids.sort(dim=-1).values
+    return int((s[:, 1:] == s[:, :-1]).any(dim=-1).sum())
