@@ -222,9 +222,16 @@ def _placeholder_rows(ids: np.ndarray, lp: np.ndarray, rows: np.ndarray, vocab: 
 def _read_import_rows(dataset_dir: str, files: list[str]):
     """The dataset's rows, or one line saying what is wrong with the files as a whole."""
     datasets = _require_datasets()
+    import pyarrow.parquet  # datasets' own reader
+
     try:
+        if sum(pyarrow.parquet.ParquetFile(f).metadata.num_rows for f in files) == 0:
+            raise ValueError(f"import: expected rows, got 0 rows in {len(files)} Parquet file(s) under {dataset_dir}; "
+                             "export a dataset with rows")
         rows = datasets.Dataset.from_parquet(files)
     except Exception as e:  # datasets wraps every reader failure (DatasetGenerationError, ArrowInvalid, ...)
+        if str(e).startswith("import: expected rows"):
+            raise
         cause = e.__cause__ or e
         raise ValueError(f"import: expected readable Parquet files under {dataset_dir}, got {type(cause).__name__}: "
                          f"{str(cause).splitlines()[0][:200] if str(cause) else ''}; re-export the dataset") from None
