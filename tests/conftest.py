@@ -10,13 +10,19 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.cache.tiny import make_teacher, make_text  # noqa: E402
+from tests.cache.tiny import make_gguf_teacher, make_teacher, make_text  # noqa: E402
 from topkd.cache import CacheBuildConfig, TopKCache, build  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def teacher_dir(tmp_path_factory):
     return make_teacher(str(tmp_path_factory.mktemp("teacher")))
+
+
+@pytest.fixture(scope="session")
+def gguf_teacher(teacher_dir, tmp_path_factory):
+    """The tiny teacher as a .gguf file (F32 tensors; its own BPE tokenizer and a chat template inside)."""
+    return make_gguf_teacher(teacher_dir, str(tmp_path_factory.mktemp("gguf") / "teacher.gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,8 @@ def test_version():
     (["cache", "build", "--teacher", "nope", "--data", "TEXT", "--out", "OUT"], "never fetches from a hub"),
     (["cache", "build", "--teacher", "TEACHER", "--data", "TEXT", "--out", "OUT", "--seq-len", "4096"],
      "at most the teacher's 512 positions"),
-    (["cache", "build", "--teacher", "NOTOK", "--data", "TEXT", "--out", "OUT"], "expected tokenizer files"),
+    (["cache", "build", "--teacher", "NOTOK", "--data", "TEXT", "--out", "OUT", "--seq-len", "48"],
+     "expected tokenizer files"),
     (["cache", "build", "--teacher", "TEACHER", "--data", "EMPTY", "--out", "OUT", "--seq-len", "48"],
      "got no tokens"),
     (["cache", "verify", "OUT"], "not a directory"),
@@ -105,7 +106,7 @@ def test_progress_lines_off_a_terminal_and_a_last_line_saying_what_was_written(t
     lines = [line for line in res.stderr.splitlines() if line.startswith("cache build:")]
     assert lines and "\r" not in res.stderr.split("Loading weights")[-1].split("\n", 1)[-1]
     assert "/1,774 tok" in lines[-1] and "(100%)" in lines[-1] and "ETA" in lines[0]
-    assert res.stdout.strip().splitlines()[-1].startswith("cache build: wrote 5 shards, 37 sequences, 1774 tokens")
+    assert res.stdout.strip().splitlines()[-1].startswith("cache build: wrote 5 shards, 37 sequences, 1,774 tokens")
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +174,29 @@ def test_every_command_declares_its_flags_one_way():
         assert args.which is cmd
     args = parser.parse_args(["cache", "inspect", "runs/c", "--plot", "m.png"])
     assert (args.path, args.plot) == ("runs/c", "m.png")
+
+
+@pytest.mark.parametrize("argv, guess", [(["train", "--stepz", "3"], "--steps"), (["train", "--step", "3"], "--steps"),
+                                         (["cache", "build", "--seq_len", "8"], "--seq-len")])
+def test_unknown_or_abbreviated_flags_name_the_command_and_the_nearest_flag(argv, guess, capsys):
+    """argparse answered with the top-level usage, and took --step for --steps silently."""
+    from topkd.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    name = " ".join(argv[:2] if argv[0] == "cache" else argv[:1])
+    assert len(err) == 1 and err[0].startswith(f"topkd {name}: error: ") and f"did you mean {guess}?" in err[0]
+
+
+def test_help_shows_a_default_only_where_there_is_one_and_once():
+    from topkd.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    for cmd in COMMANDS:
+        sub = parser._subparsers._group_actions[0].choices[cmd.words[0]]
+        if len(cmd.words) == 2:
+            sub = sub._subparsers._group_actions[0].choices[cmd.words[1]]
+        text = " ".join(sub.format_help().split())
+        assert "(default: )" not in text, cmd.words
+        for action in sub._actions:
+            assert (action.help or "").count("(default") <= 1, (cmd.words, action.dest)

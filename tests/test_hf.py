@@ -225,3 +225,16 @@ def test_a_dataset_of_lists_is_refused_with_the_way_to_a_topkdataset(built_cache
                                           use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
     with pytest.raises(ValueError, match="expected torch tensors, got input_ids: list.*topkd.data.TopKDataset"):
         KDTrainer(model=_student(built_cache), args=args, train_dataset=rows).train()
+
+
+def test_the_temperature_is_stated_once_on_the_dataset(built_cache, tmp_path):
+    """Given to TopKDataset and KDTrainer both, a mismatch failed only at the first step."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", disable_tqdm=True)
+    tempered = TopKDataset(built_cache, seq_len=24, temperature=2.0)  # a path is a cache
+    trainer = KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered)
+    assert trainer.kd_options.temperature == 2.0
+    with pytest.raises(ValueError, match="temperature=3.0, but the dataset carries c_T for T=2.0"):
+        KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered, temperature=3.0)
+    with pytest.raises(ValueError, match=r"build the dataset with TopKDataset\(cache, temperature=2.0\)"):
+        KDTrainer(model=_student(built_cache), args=args, train_dataset=TopKDataset(built_cache), temperature=2.0)

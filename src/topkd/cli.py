@@ -101,28 +101,30 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> No
             item = {"list[int]": int, "list[float]": float}.get(str(f.type), str)
             kind = _list_of(item) if isinstance(value, list) else type(value)
             shown = ",".join(map(str, value)) if isinstance(value, list) else value
+            said = shown in ("", None) or "(default" in helps[f.name]  # required, or the help says it in words
             parser.add_argument(flag, dest=f.name, type=kind, default=value,
-                                help=f"{helps[f.name]} (default: {shown})")
+                                help=helps[f.name] + ("" if said else f" (default: {shown})"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     import topkd
 
     parser = argparse.ArgumentParser(prog="topkd", description="memory-efficient LLM knowledge distillation",
-                                     epilog="--debug anywhere on the line: a traceback instead of a one-line error")
+                                     epilog="--debug anywhere on the line: a traceback instead of a one-line error",
+                                     allow_abbrev=False)  # --step is not --steps: a typo is refused, not guessed
     parser.add_argument("--version", action="version", version=f"topkd {topkd.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     groups = {}
     for cmd in COMMANDS:
         if len(cmd.words) == 1:
-            command = sub.add_parser(cmd.words[0], help=cmd.help)
+            command = sub.add_parser(cmd.words[0], help=cmd.help, allow_abbrev=False)
         else:
             if cmd.words[0] not in groups:
-                group = sub.add_parser(cmd.words[0], help=GROUPS[cmd.words[0]])
+                group = sub.add_parser(cmd.words[0], help=GROUPS[cmd.words[0]], allow_abbrev=False)
                 groups[cmd.words[0]] = group.add_subparsers(dest="subcommand", required=True)
-            command = groups[cmd.words[0]].add_parser(cmd.words[1], help=cmd.help)
+            command = groups[cmd.words[0]].add_parser(cmd.words[1], help=cmd.help, allow_abbrev=False)
         add_dataclass_flags(command, cmd.config, cmd.flag_help)
-        command.set_defaults(which=cmd)
+        command.set_defaults(which=cmd, flags=sorted(command._option_string_actions))  # argparse has no public API
     return parser
 
 
@@ -133,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
     name = " ".join(args.which.words)
+    if unknown:  # argparse would answer with the top-level usage: name the subcommand and the nearest flag
+        print(f"topkd {name}: error: {unknown_flags(unknown, args.flags)}; `topkd {name} --help` lists every flag",
+              file=sys.stderr, flush=True)
+        return 2
     try:
         with signals_raise():
             return run_command(args)
@@ -147,6 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"topkd {name}: error: {message}", file=sys.stderr, flush=True)
         return 2
+
+
+def unknown_flags(unknown: list[str], flags: list[str]) -> str:
+    """What was not understood, with a "did you mean" for the first unknown flag."""
+    import difflib
+
+    first = next((a.split("=", 1)[0] for a in unknown if a.startswith("-")), "")
+    guess = difflib.get_close_matches(first, flags, n=1, cutoff=0.6) if first else []
+    hint = f"; did you mean {guess[0]}?" if guess else ""
+    return f"expected only this command's flags, got unrecognized {' '.join(unknown)}{hint}"
 
 
 def run_command(args) -> int:

@@ -5,8 +5,8 @@
     from topkd.hf import KDTrainer
 
     trainer = KDTrainer(model=student, args=TrainingArguments(output_dir="runs/hf", ...),
-                        train_dataset=TopKDataset(TopKCache("runs/cache"), seq_len=2048),
-                        divergence="kl", tail="bucket", temperature=1.0, ce_weight=0.1)
+                        train_dataset=TopKDataset("runs/cache", seq_len=2048),   # temperature=T: tempered KD
+                        divergence="kl", tail="bucket", ce_weight=0.1)
     trainer.train()
 
     class KDSFTTrainer(KDTrainerMixin, trl.SFTTrainer):           # the same loss in TRL's SFTTrainer, which
@@ -42,15 +42,16 @@ class KDTrainerMixin:
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's counted tokens
 
-    def __init__(self, *args, divergence: str = "kl", tail: str = "bucket", temperature: float = 1.0,
+    def __init__(self, *args, divergence: str = "kl", tail: str = "bucket", temperature: float | None = None,
                  beta: float = 0.5, ce_weight: float = 0.0, impl: str = "fused", chunk_size: int | None = None,
                  top_k: int = 0, fold_beyond_vocab: bool = False, **kwargs):
-        self.kd_options = LossOptions(divergence=divergence, tail=tail, temperature=temperature, beta=beta,
-                                      ce_weight=ce_weight, reduction="sum", impl=impl, chunk_size=chunk_size)
-        self.kd_top_k, self.kd_fold = top_k, fold_beyond_vocab
         if kwargs.get("data_collator") is None:
             kwargs["data_collator"] = collate
         super().__init__(*args, **kwargs)
+        temperature = kd_temperature(temperature, self.train_dataset, tail)
+        self.kd_options = LossOptions(divergence=divergence, tail=tail, temperature=temperature, beta=beta,
+                                      ce_weight=ce_weight, reduction="sum", impl=impl, chunk_size=chunk_size)
+        self.kd_top_k, self.kd_fold = top_k, fold_beyond_vocab
         check_student_against_cache(self.model, self.train_dataset, self.processing_class, fold_beyond_vocab)
         self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}  # tensors on the device once a step adds to them
 
@@ -109,6 +110,21 @@ class KDTrainerMixin:
 
 class KDTrainer(KDTrainerMixin, transformers.Trainer):
     """transformers.Trainer distilling from a top-K cache with topkd's fused loss (see the module docstring)."""
+
+
+def kd_temperature(given: float | None, dataset, tail: str) -> float:
+    """The temperature, stated once: a TopKDataset built with temperature=T carries c_T for T, and KDTrainer takes
+    T from it; a different one given to KDTrainer as well is refused here, not at the first step."""
+    carried = getattr(dataset, "temperature", None) if isinstance(dataset, TopKDataset) else None
+    if given is None:
+        return float(carried) if carried is not None else 1.0
+    if carried is not None and float(given) != float(carried):
+        raise ValueError(f"KDTrainer: temperature={given}, but the dataset carries c_T for T={carried} "
+                         "(TopKDataset(temperature=...)); state it once: leave KDTrainer's temperature out")
+    if isinstance(dataset, TopKDataset) and float(given) != 1.0 and tail == "bucket" and carried is None:
+        raise ValueError(f"KDTrainer: temperature={given} with tail='bucket' needs c_T; build the dataset with "
+                         f"TopKDataset(cache, temperature={given}) and leave KDTrainer's temperature out")
+    return float(given)
 
 
 def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_vocab: bool = False) -> None:

@@ -36,7 +36,34 @@ def load_causal_lm(source: str, dtype: str = "float32", device: str = "cpu", rol
                          f"tokenizer_config.json), got none usable ({str(e).splitlines()[0][:160]}); save the "
                          "teacher's tokenizer there with tokenizer.save_pretrained") from None
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs).to(device).eval()
+    quantizer = getattr(model, "hf_quantizer", None)
+    if "gguf_file" in kwargs and quantizer is not None:
+        # a GGUF file is dequantised on load, yet the model stays marked quantized, which refuses .float() and
+        # .to(dtype) and writes a GGUF quantization_config into every model saved from it: its weights are plain
+        # tensors, so the marks go (as transformers' own remove_quantization_config does)
+        quantizer.remove_quantization_config(model)
     return model, tokenizer
+
+
+def model_positions(source: str) -> int | None:
+    """The positions a model was made for (max_position_embeddings), read from its config.json or GGUF header
+    without loading a weight, so --seq-len is checked in a second, not after a minute of loading; None when
+    the files do not say."""
+    try:
+        if source.endswith(".gguf"):
+            import gguf
+
+            fields = gguf.GGUFReader(source).fields
+            arch = bytes(fields["general.architecture"].parts[-1]).decode()
+            value = fields.get(f"{arch}.context_length")
+            return None if value is None else int(value.parts[-1][0])
+        import json
+
+        with open(os.path.join(source, "config.json")) as f:
+            value = json.load(f).get("max_position_embeddings")
+        return value if isinstance(value, int) else None
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
 
 
 def _not_a_model(source: str, role: str) -> str:

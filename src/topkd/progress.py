@@ -6,17 +6,25 @@
 When stderr is not a terminal (a cluster log, CI, `| tee`), tqdm would either print nothing
 (disable=None) or fill the log with carriage returns; `PlainProgress` instead writes one line
 `desc: 480/1,000 tok (48%), 12.5 tok/s, ETA 41s, shards=3` every TOPKD_PROGRESS_SECONDS (default
-30) and once at the end. TQDM_DISABLE=1 silences both.
+30), from a timer thread, so a line comes on time however long one unit of work takes, and once at
+the end. The count is what is done; `skipped(bar, n)` advances past work a resumed job finds done
+without counting it in the rate, so the ETA is that of the work left. TQDM_DISABLE=1 silences both.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from tqdm import tqdm
 
 INTERVAL_S = 30.0
+
+
+def count(n: int, noun: str) -> str:
+    """"1 shard", "5 shards", "1,774 tokens": numbers as a person writes them."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def wrote(command: str, what: str) -> None:
@@ -42,14 +50,30 @@ def progress(total: int | None = None, desc: str = "", unit: str = "it", initial
     return PlainProgress(total, desc, unit, initial)
 
 
+def skipped(bar, n: int) -> None:
+    """Advance a bar past n units found already done (a resumed job): counted, but not in the rate."""
+    if isinstance(bar, PlainProgress):
+        bar.n, bar.start_n = bar.n + n, bar.start_n + n
+    else:
+        bar.update(n)
+
+
 class PlainProgress:
-    """tqdm's little interface, printing plain lines at most every interval seconds."""
+    """tqdm's little interface, printing a plain line every interval seconds (a timer thread) and at close."""
 
     def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0, silent: bool = False):
         self.total, self.desc, self.unit, self.n, self.silent = total, desc, unit, initial, silent
         self.interval = float(os.environ.get("TOPKD_PROGRESS_SECONDS", INTERVAL_S))
         self.start_n, self.start = initial, time.monotonic()
-        self.last, self.postfix = self.start, ""
+        self.last, self.postfix, self.printed_n = self.start, "", initial
+        self._closed, self._lock = threading.Event(), threading.Lock()
+        if not silent and self.interval > 0:
+            threading.Thread(target=self._beat, name=f"progress: {desc}", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(min(self.interval, 1.0)):
+            if time.monotonic() - self.last >= self.interval:
+                self._print()
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -60,7 +84,8 @@ class PlainProgress:
         self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
 
     def close(self) -> None:
-        if self.n != self.start_n:
+        self._closed.set()
+        if self.n != self.printed_n:
             self._print()
 
     def line(self) -> str:
@@ -75,9 +100,10 @@ class PlainProgress:
         return ", ".join(parts + ([self.postfix] if self.postfix else []))
 
     def _print(self) -> None:
-        self.last = time.monotonic()
-        if not self.silent:
-            print(self.line(), file=sys.stderr, flush=True)
+        with self._lock:  # the timer thread and update() may both decide it is time
+            self.last, self.printed_n = time.monotonic(), self.n
+            if not self.silent:
+                print(self.line(), file=sys.stderr, flush=True)
 
 
 def _duration(seconds: float) -> str:

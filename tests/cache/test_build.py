@@ -138,7 +138,7 @@ def test_parts_build_their_own_shards_and_a_last_run_writes_the_manifest(teacher
     written = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.safetensors")}
     from topkd.cache.teacher import Teacher
 
-    monkeypatch.setattr(Teacher, "sequence_rows", lambda *a: pytest.fail("a finished shard was recomputed"))
+    monkeypatch.setattr(Teacher, "sequence_rows", lambda *a, **k: pytest.fail("a finished shard was recomputed"))
     build(cache_config(teacher_dir, text_file, out))
     assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.safetensors")} == written
     assert _shard_digests(out) == _shard_digests(built_cache)

@@ -123,10 +123,37 @@ def test_manifest_of_another_format_is_refused(cache_copy):
 def test_verify_and_inspect_commands(built_cache, tmp_path, capsys):
     assert main(["cache", "verify", built_cache]) == 0
     assert main(["cache", "inspect", built_cache, "--plot", str(tmp_path / "m.png")]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     last = json.loads(out.strip().splitlines()[-1])
     assert last["tokens"] == TopKCache(built_cache).tokens and 0 < last["mass_mean"] <= 1
     assert "bytes/token" in out and "[0.990, 0.999)" in out and (tmp_path / "m.png").stat().st_size > 5000
+    assert f"topkd cache inspect: wrote the retained-mass histogram to {tmp_path / 'm.png'}" in captured.err
+
+
+def test_the_mass_histogram_counts_the_rows_that_train(built_cache, monkeypatch):
+    """A chat cache's masked rows (its repeated system prompt) showed as spikes of rows no loss reads."""
+    import numpy as np
+
+    from topkd.cache.inspect import retained_mass
+    from topkd.cache.shard import ShardReader
+
+    cache = TopKCache(built_cache)
+    everything = retained_mass(cache)
+    real = ShardReader.tensor
+
+    def masked(self, name):  # every other row of every shard masked, as if prompts
+        if name == "row_mask":
+            return (np.arange(self.shape("log_mass")[0]) % 2).astype(np.uint8)
+        return real(self, name)
+
+    expected = []
+    for j in range(len(cache.manifest["shards"])):
+        shard = cache.shard(j)
+        shard.names = shard.names | {"row_mask"}
+        expected.append(np.exp(real(shard, "log_mass").astype(np.float64))[1::2])
+    monkeypatch.setattr(ShardReader, "tensor", masked)
+    assert np.array_equal(retained_mass(cache), np.concatenate(expected)) and len(everything) > len(expected[0])
 
 
 def test_cli_prints_a_refusal_without_a_traceback(tmp_path, capsys):

@@ -70,3 +70,16 @@ def test_harness_on_a_local_task_agrees_with_topkd_choices(teacher_dir, local_ta
         assert score_item(teacher.model, teacher.tokenizer, item) == pytest.approx(harness, rel=1e-4, abs=1e-4)
         ours = evaluate_choices(teacher.model, teacher.tokenizer, [item])
         assert (ours["acc"], ours["acc_norm"]) == (sample["acc"], sample["acc_norm"])
+
+
+def test_a_task_whose_data_is_not_on_disk_fails_at_once_naming_the_remedy(teacher_dir, monkeypatch):
+    """--lm-eval hellaswag retried the hub for ~2 minutes and failed without a remedy."""
+    import time
+
+    pytest.importorskip("lm_eval")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="could not run it offline .*--lm-eval-include DIR"):
+        run_eval(EvalConfig(model=teacher_dir, lm_eval=["hellaswag"], limit=2))
+    assert time.monotonic() - start < 60

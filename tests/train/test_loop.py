@@ -94,3 +94,11 @@ def test_autocast_bf16_trains_through_masked_tokens(documents_cache, tmp_path):
     """--autocast-bf16 crashed on the first masked token (separator rows are masked)."""
     row = train(config(documents_cache.path, tmp_path, steps=2, autocast_bf16=True))
     assert row["step"] == 2 and row["loss"] == row["loss"]
+
+
+def test_a_seq_len_beyond_the_caches_sequences_is_said(built_cache, tmp_path, capfd):
+    """It was taken silently: samples then join cached sequences the teacher never saw as one context."""
+    train(config(built_cache, tmp_path / "long", steps=1, seq_len=96))
+    assert "--seq-len 96 is longer than the cache's 48-token sequences" in capfd.readouterr().err
+    train(config(built_cache, tmp_path / "short", steps=1, seq_len=48))
+    assert "longer than the cache's" not in capfd.readouterr().err

@@ -56,6 +56,8 @@ def test_lora_trains_only_adapters_and_writes_them(built_cache, tmp_path):
 
     train(config(built_cache, tmp_path, steps=12, seq_len=24, lr=1e-2, lora_rank=4))
     assert not os.path.exists(tmp_path / "final" / "config.json")  # adapters and base only, until --merge
+    recorded = json.load(open(tmp_path / "final" / "adapter" / "adapter_config.json"))["base_model_name_or_path"]
+    assert recorded == str(tmp_path / "final" / "base")  # absolute, and the base it was trained on
     train(config(built_cache, tmp_path, steps=12, seq_len=24, lr=1e-2, lora_rank=4, merge=True))  # resumes at 12
     curve = losses(tmp_path)
     assert sum(curve[-3:]) < sum(curve[:3])

@@ -45,3 +45,18 @@ def test_wandb_runs_offline_and_resumes_the_same_run(built_cache, tmp_path, monk
     assert len(records) >= 1 and all(os.path.getsize(r) > 0 for r in records)
     written = b"".join(open(r, "rb").read() for r in records)
     assert b"kd_loss" in written and b"grad_norm" in written
+
+
+def test_loss_png_names_the_run_and_its_objective(tmp_path):
+    """KD and CE plots looked alike: no title, almost no tick labels on the log axis."""
+    import json
+
+    from topkd.train import TrainConfig
+    from topkd.train.loop import plot_losses, run_title
+
+    assert run_title(TrainConfig(out="runs/kd-a", ce_weight=0.1)) == "kd-a: KD kl, tail bucket, T=1, ce_weight 0.1"
+    assert run_title(TrainConfig(out="runs/ce/", objective="ce")) == "ce: cross entropy only (no teacher)"
+    rows = [{"step": s, "loss": 2.0 / s, "kd_loss": 1.5 / s, "ce_loss": 5.0 / s} for s in range(1, 20)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_losses(str(tmp_path / "metrics.jsonl"), str(tmp_path / "loss.png"), "kd-a: KD kl")
+    assert (tmp_path / "loss.png").stat().st_size > 10000

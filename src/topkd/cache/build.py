@@ -27,7 +27,8 @@ from topkd.checks import require_device, require_dtype, require_ints, require_pa
 from topkd.data.chat import check_chat_tokenizer, check_train_on
 from topkd.data.documents import chat_roles, check_paths, iter_documents, pack_sequences
 from topkd.files import exclusive_lock, file_sha256, refuse_links
-from topkd.progress import progress
+from topkd.models import model_positions
+from topkd.progress import count, progress, skipped
 from topkd.signals import Interrupted
 
 
@@ -91,6 +92,7 @@ def check_config(cfg: CacheBuildConfig) -> None:
         raise ValueError(f"teacher: expected a local model directory or .gguf file, got {cfg.teacher!r} (not found); "
                          "download the model first, topkd never fetches from a hub")
     require_device(cfg.device)
+    check_positions(model_positions(cfg.teacher), cfg.seq_len)  # config.json or GGUF header: before loading
     check_paths(cfg.data)
     if cfg.codec not in CODECS:
         raise ValueError(f"codec: expected one of {CODECS}, got {cfg.codec!r}")
@@ -137,8 +139,9 @@ def build(cfg: CacheBuildConfig) -> dict:
         dist.barrier()
         existing = _finished(cfg.out, build_hash)
         if existing is not None:
-            print(f"cache build: {cfg.out} is already complete and verified ({existing['totals']['shards']} shards, "
-                  f"{existing['totals']['tokens']} tokens); nothing to do", flush=True)
+            done = existing["totals"]
+            print(f"cache build: {cfg.out} is already complete and verified ({count(done['shards'], 'shard')}, "
+                  f"{count(done['tokens'], 'token')}); nothing to do", flush=True)
             return existing
         try:
             n_shards = _build_shards(teacher, cfg, build_hash, me, builders, total)
@@ -159,9 +162,9 @@ def build(cfg: CacheBuildConfig) -> dict:
         tokenizer_files = save_teacher_tokenizer(cfg.out, teacher.tokenizer)
         manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars, tokenizer_files)
     totals = manifest["totals"]
-    print(f"cache build: wrote {totals['shards']} shards, {totals['sequences']} sequences, {totals['tokens']} "
-          f"tokens, {totals['bytes'] / 1e6:.2f} MB ({totals['bytes_per_token']:.1f} bytes/token) to {cfg.out}",
-          flush=True)
+    print(f"cache build: wrote {count(totals['shards'], 'shard')}, {count(totals['sequences'], 'sequence')}, "
+          f"{count(totals['tokens'], 'token')}, {totals['bytes'] / 1e6:.2f} MB ({totals['bytes_per_token']:.1f} "
+          f"bytes/token) to {cfg.out}", flush=True)
     return manifest
 
 
@@ -173,10 +176,13 @@ def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
     if not 1 <= cfg.k <= teacher.vocab:
         raise ValueError(f"k: expected 1 <= k <= vocab size {teacher.vocab}, got {cfg.k}")
     config = getattr(getattr(teacher, "model", None), "config", None)
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and cfg.seq_len > limit:
+    check_positions(getattr(config, "max_position_embeddings", None), cfg.seq_len)
+
+
+def check_positions(limit: int | None, seq_len: int) -> None:
+    if isinstance(limit, int) and seq_len > limit:
         raise ValueError(f"seq_len: expected at most the teacher's {limit} positions (max_position_embeddings), got "
-                         f"{cfg.seq_len}; use --seq-len {limit} or less")
+                         f"{seq_len}; use --seq-len {limit} or less")
 
 
 def build_lock(out: str, who: str):
@@ -194,11 +200,11 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
         n_shards = j + 1
         tokens = sum(len(s.tokens) for s in group)
         if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
-            bar.update(tokens if j % world == rank else 0)
+            skipped(bar, tokens if j % world == rank else 0)  # done before: not part of this run's rate
             continue
         _remove_stale_temps(cfg.out, j)
-        rows = [teacher_sequence(s, r) for s, r in
-                zip(group, teacher.sequence_rows(group, cfg.k, tuple(cfg.temperatures), cfg.batch_size))]
+        rows = [teacher_sequence(s, r) for s, r in zip(group, teacher.sequence_rows(
+            group, cfg.k, tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update))]  # counted per batch
         first = group[0].index
         identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
         arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
@@ -206,7 +212,6 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
         nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
         mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash, **shard_facts(rows, meta))
         written += nbytes
-        bar.update(tokens)
         bar.set_postfix(shards=n_shards, MB=f"{written / 1e6:.1f}", B_per_tok=f"{nbytes / tokens:.0f}",
                         s=f"{time.perf_counter() - start:.0f}")
     bar.close()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from topkd.cache.reader import TopKCache
+from topkd.progress import wrote
 
 MASS_BINS = np.array([0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0])
 
@@ -44,8 +45,13 @@ def verify_cache(path: str) -> int:
 
 
 def retained_mass(cache: TopKCache) -> np.ndarray:
-    """Per-token top-K probability mass over the whole cache (exact, from the stored log mass)."""
-    parts = [np.exp(cache.shard(j).tensor("log_mass").astype(np.float64)) for j in range(len(cache.manifest["shards"]))]
+    """Per-token top-K probability mass over the rows that train (exact, from the stored log mass): a chat cache's
+    masked rows (its repeated system prompt) would show as spikes of rows no loss ever reads."""
+    parts = []
+    for j in range(len(cache.manifest["shards"])):
+        shard = cache.shard(j)
+        mass = np.exp(shard.tensor("log_mass").astype(np.float64))
+        parts.append(mass[shard.tensor("row_mask").astype(bool)] if "row_mask" in shard.names else mass)
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
@@ -70,6 +76,7 @@ def inspect_cache(path: str, plot: str | None = None) -> dict:
                "mass_hist": {"bins": MASS_BINS.tolist(), "counts": counts.tolist()}}
     if plot:
         _plot(mass, fp, plot)
+        wrote("cache inspect", f"the retained-mass histogram to {plot}")
     print(json.dumps({"cache": path, "tokens": totals["tokens"], "counted_tokens": cache.counted_tokens,
                       "bytes_per_token": totals["bytes_per_token"], "mass_mean": summary["mass_mean"]}))
     return summary
@@ -84,7 +91,7 @@ def _plot(mass: np.ndarray, fp: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.hist(mass, bins=50, range=(0, 1))
     ax.set_xlabel(f"teacher probability mass in the top-{fp['k']}")
-    ax.set_ylabel("tokens")
+    ax.set_ylabel("counted tokens")
     ax.set_yscale("log")
     ax.set_title(f"top-K coverage, {fp['teacher'].split('/')[-1]} (V={fp['vocab_size']})", fontsize=9)
     fig.tight_layout()

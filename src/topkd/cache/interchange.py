@@ -21,6 +21,7 @@ the row, never coerced.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -94,6 +95,18 @@ DATA_FILE = os.path.join("data", "train-00000-of-00001.parquet")
 SEQS_PER_SHARD = 64
 
 
+@contextlib.contextmanager
+def _quiet(datasets):
+    """The datasets library's own progress bars off (its "Generating train split" lines) while topkd reports."""
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
 def _require_datasets():
     try:
         import datasets
@@ -131,8 +144,9 @@ def export_axolotl(cache_dir: str, out: str) -> str:
     existed = os.path.isdir(out)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        rows = datasets.Dataset.from_generator(lambda: (axolotl_row(data[i]) for i in range(len(data))))
-        rows.to_parquet(path + ".tmp")
+        with _quiet(datasets):
+            rows = datasets.Dataset.from_generator(lambda: (axolotl_row(data[i]) for i in range(len(data))))
+            rows.to_parquet(path + ".tmp")
         os.replace(path + ".tmp", path)
         write_json_atomic(os.path.join(out, "topkd_export.json"),
                           {"format": "axolotl", "cache": os.path.abspath(cache_dir), "fingerprint": cache.fingerprint,
@@ -228,7 +242,8 @@ def _read_import_rows(dataset_dir: str, files: list[str]):
         if sum(pyarrow.parquet.ParquetFile(f).metadata.num_rows for f in files) == 0:
             raise ValueError(f"import: expected rows, got 0 rows in {len(files)} Parquet file(s) under {dataset_dir}; "
                              "export a dataset with rows")
-        rows = datasets.Dataset.from_parquet(files)
+        with _quiet(datasets):
+            rows = datasets.Dataset.from_parquet(files)
     except Exception as e:  # datasets wraps every reader failure (DatasetGenerationError, ArrowInvalid, ...)
         if str(e).startswith("import: expected rows"):
             raise

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from topkd.cache import manifest as mf
 from topkd.cache.compat import check_student_fits, load_teacher_tokenizer, tokenizer_problems
 from topkd.cache.shard import ShardReader, read_row_counts
+from topkd.data import dataset
 
 SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq_rows", "seq_source",
                  "seq_token_offset", "doc_starts"}
@@ -201,3 +202,6 @@ class TopKCache:
         teacher_tokenizer = None if tokenizer is None else load_teacher_tokenizer(self.path, self.manifest)
         check_student_fits(self.vocab_size, self.fingerprint["tokenizer_sha256"], vocab_size, tokenizer,
                            teacher_tokenizer, self.max_id)
+
+
+dataset.PATH_OPENER = TopKCache  # TopKDataset("runs/cache") opens the path as a cache (topkd/data/dataset.py)

@@ -38,8 +38,8 @@ class TeacherEngine(Protocol):
     vocab: int
     tokenizer: object
 
-    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...],
-                      batch_size: int) -> list[dict[str, np.ndarray]]: ...
+    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
+                      on_batch=None) -> list[dict[str, np.ndarray]]: ...  # on_batch(tokens) as work completes
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict: ...
 
 
@@ -88,9 +88,10 @@ class Teacher:
         return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures,
                          getattr(self.model.config, "final_logit_softcapping", None))
 
-    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...],
-                      batch_size: int) -> list[dict[str, np.ndarray]]:
-        """Top-K rows of each packed sequence (topkd.data.documents.Sequence), batching those of equal length."""
+    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
+                      on_batch=None) -> list[dict[str, np.ndarray]]:
+        """Top-K rows of each packed sequence (topkd.data.documents.Sequence), batching those of equal length;
+        on_batch(tokens) after each forward (the build's progress counts finished work, batch by batch)."""
         out: list[dict | None] = [None] * len(sequences)
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(sequences):
@@ -103,6 +104,8 @@ class Teacher:
                 rows = self.topk_rows(ids, k, temperatures, pos.to(ids.device))
                 for i, seq_rows in zip(batch, split_rows(rows, len(batch), length)):
                     out[i] = seq_rows
+                if on_batch is not None:
+                    on_batch(len(batch) * length)
         return out
 
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:

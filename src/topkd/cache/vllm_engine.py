@@ -91,7 +91,7 @@ class VLLMTeacher:
                                           detokenize=False)
 
     def sequence_rows(self, sequences: list, k: int | None = None, temperatures: tuple[float, ...] = (),
-                      batch_size: int = 0) -> list[dict[str, np.ndarray]]:
+                      batch_size: int = 0, on_batch=None) -> list[dict[str, np.ndarray]]:
         """Rows for packed sequences (topkd.data.documents.Sequence), one vLLM call for all their pieces (vLLM
         batches itself; k was fixed at construction; temperatures are refused by the build)."""
         pieces = [document_pieces(np.asarray(s.tokens), s.doc_starts) for s in sequences]
@@ -101,6 +101,8 @@ class VLLMTeacher:
         for ps in pieces:
             parts = [_rows_of(next(outputs), self.k) for _ in ps]
             rows.append({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
+        if on_batch is not None:  # vLLM schedules the whole call itself: one report when it returns
+            on_batch(sum(len(s.tokens) for s in sequences))
         return rows
 
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:

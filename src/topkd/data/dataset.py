@@ -3,7 +3,7 @@
     from topkd.cache import TopKCache
     from topkd.data import TopKDataset, collate
 
-    data = TopKDataset(TopKCache("runs/cache"), seq_len=2048, seed=0)        # temperature=T for tempered bucket KD
+    data = TopKDataset("runs/cache", seq_len=2048, seed=0)        # a path or a TopKCache; temperature=T: tempered KD
     sampler = EpochSampler(data)                                              # sampler.set_epoch(e) per epoch
     loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler, collate_fn=collate, num_workers=4)
 
@@ -25,6 +25,9 @@ workers each decode their own samples.
 """
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import torch
 
 from topkd.data.samples import SampleStream, SequenceSource, collate, temperature_column
@@ -35,8 +38,9 @@ __all__ = ["EpochSampler", "TopKDataset", "collate"]
 class TopKDataset(torch.utils.data.Dataset):
     """Samples of a top-K cache (or any SequenceSource), as `topkd train` forms them; see the module docstring."""
 
-    def __init__(self, cache: SequenceSource, seq_len: int | None = None, packing: str = "documents", seed: int = 0,
-                 temperature: float | None = None):
+    def __init__(self, cache: SequenceSource | str, seq_len: int | None = None, packing: str = "documents",
+                 seed: int = 0, temperature: float | None = None):
+        cache = _source(cache)
         lengths = cache.sequence_lengths()
         if not lengths:
             raise ValueError("TopKDataset: expected a cache with sequences, got an empty one; build it first")
@@ -45,6 +49,7 @@ class TopKDataset(torch.utils.data.Dataset):
             raise ValueError(f"TopKDataset seq_len: expected an int >= 2 (or None: the cache's), got {seq_len!r}")
         self.stream = SampleStream(cache, seq_len, seed, temperature_column(cache, temperature), packing)
         self.vocab_size: int | None = getattr(cache, "vocab_size", None)  # the teacher's (student rows beyond: padding)
+        self.temperature = temperature  # the T whose c_T the items carry (teacher_logz); KDTrainer takes it from here
 
     def __len__(self) -> int:
         return self.stream.per_epoch
@@ -53,6 +58,21 @@ class TopKDataset(torch.utils.data.Dataset):
         if index < 0:
             raise IndexError(f"TopKDataset: expected an index >= 0 (index // len is the epoch), got {index}")
         return self.stream.item(int(index))
+
+
+# How a path becomes a sequence source: topkd.cache.reader sets it to TopKCache when it is imported (data sits
+# below cache and imports nothing of it; `import topkd` imports the reader, so a path always works).
+PATH_OPENER: Callable[[str], SequenceSource] | None = None
+
+
+def _source(cache) -> SequenceSource:
+    """A cache directory's path becomes its TopKCache; a TopKCache or other sequence source is taken as it is."""
+    if isinstance(cache, (str, os.PathLike)) and PATH_OPENER is not None:
+        return PATH_OPENER(os.fspath(cache))
+    if not all(hasattr(cache, name) for name in ("sequence_lengths", "document_starts", "__getitem__")):
+        raise TypeError(f"TopKDataset: expected a cache directory's path or a TopKCache, got "
+                        f"{type(cache).__name__}; pass TopKDataset('runs/cache') or TopKDataset(TopKCache(path))")
+    return cache
 
 
 class EpochSampler(torch.utils.data.Sampler):

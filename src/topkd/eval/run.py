@@ -118,6 +118,8 @@ def run_lm_eval(cfg: EvalConfig) -> dict:
                          "model with save_pretrained first (topkd demo does this for its teacher)")
     if cfg.lm_eval_include and not os.path.isdir(cfg.lm_eval_include):
         raise ValueError(f"--lm-eval-include: expected a directory of lm-eval task YAMLs, got {cfg.lm_eval_include!r}")
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # topkd never downloads: no minutes of hub retries
+        os.environ.setdefault(name, "1")
     try:
         import lm_eval
     except ImportError as e:
@@ -126,8 +128,15 @@ def run_lm_eval(cfg: EvalConfig) -> dict:
     from lm_eval.tasks import TaskManager
 
     tasks = TaskManager(include_path=cfg.lm_eval_include or None)
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={cfg.model},dtype={cfg.dtype}",
-                                  tasks=cfg.lm_eval, device=cfg.device, limit=cfg.limit or None, task_manager=tasks)
+    try:
+        out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={cfg.model},dtype={cfg.dtype}",
+                                      tasks=cfg.lm_eval, device=cfg.device, limit=cfg.limit or None,
+                                      task_manager=tasks)
+    except Exception as e:  # noqa: BLE001 - the harness raises whatever its data loaders raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"--lm-eval {','.join(cfg.lm_eval)}: the harness could not run it offline "
+                         f"({type(e).__name__}: {first}); topkd never downloads: give the task's data as local "
+                         "files with a task YAML in --lm-eval-include DIR (README, Evaluation)") from None
     return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             for task, metrics in out["results"].items()}
 

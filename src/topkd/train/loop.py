@@ -96,7 +96,7 @@ def resume_and_run(module: KDStudent, student, stream: SampleStream, optimizer, 
     ckpt.save(cfg.out, module, optimizer, scheduler, state)
     save_final(module, student, cfg)
     if rank == 0:
-        plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"))
+        plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"), run_title(cfg))
         print(f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
               f"checkpoints/ in {cfg.out} (step {state['step']})", flush=True)
     return row
@@ -118,9 +118,9 @@ def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 reporter.log(row)
-            bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            GiB=f"{row['peak_gib']:.2f}")
+                            GiB=f"{row['peak_gib']:.2f}")  # before update: a line printed by it shows this step
+            bar.update(1)
             signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
             if signum:
                 bar.close()
@@ -148,6 +148,12 @@ def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> N
     if cfg.steps < cfg.warmup_steps:
         print(f"topkd train: warning: --steps {cfg.steps} is below --warmup-steps {cfg.warmup_steps}: the learning "
               "rate never reaches --lr", file=sys.stderr, flush=True)
+    cached = getattr(stream.source, "seq_len", stream.seq_len)
+    if stream.seq_len > cached and stream.packing != "none":
+        print(f"topkd train: warning: --seq-len {stream.seq_len} is longer than the cache's {cached}-token sequences: "
+              "each sample joins several of them, which the teacher never saw as one context (positions and "
+              f"attention restart at each), so no token gets more than {cached} tokens of context; use --seq-len "
+              f"{cached} or less, or rebuild the cache with a longer --seq-len", file=sys.stderr, flush=True)
 
 
 def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
@@ -301,20 +307,42 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def plot_losses(metrics_path: str, out: str) -> None:
+def run_title(cfg: TrainConfig) -> str:
+    """What a loss curve is of: the run and its objective."""
+    run = os.path.basename(os.path.normpath(cfg.out))
+    if cfg.objective == "ce":
+        return f"{run}: cross entropy only (no teacher)"
+    extras = f", ce_weight {cfg.ce_weight:g}" if cfg.ce_weight else ""
+    return f"{run}: KD {cfg.divergence}, tail {cfg.tail}, T={cfg.temperature:g}{extras}"
+
+
+def plot_losses(metrics_path: str, out: str, title: str = "") -> None:
+    """loss.png: the loss per step (KD and CE parts when both train), titled with the run and its objective, a
+    log axis with labelled ticks (a KD curve and a CE curve must not look alike)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
 
     rows = [json.loads(line) for line in open(metrics_path)]
     rows = [r for r in rows if math.isfinite(r["loss"])]
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["loss"] for r in rows], label="loss")
+    for part in ("kd_loss", "ce_loss"):
+        if rows and all(part in r for r in rows) and any(r[part] != r["loss"] for r in rows):
+            ax.plot(steps, [r[part] for r in rows], label=part.replace("_", " "), alpha=0.7)
     ax.set_xlabel("step")
     ax.set_ylabel("loss per counted token")
     ax.set_yscale("log")
-    ax.grid(True, alpha=0.3)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())  # labels on the minor ticks too, when a decade is all there is
+    if ax.get_legend_handles_labels()[0][1:]:
+        ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

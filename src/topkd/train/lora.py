@@ -40,6 +40,10 @@ def save_lora_student(model: nn.Module, tokenizer, path: str, merge: bool, base_
     """final/adapter (adapters + tokenizer), and final/base when the base exists nowhere else; with merge, the
     merged model in final/ itself."""
     adapter = os.path.join(path, "adapter")
+    base = base_dir or (None if merge else os.path.join(path, "base"))
+    if base is not None:  # adapter_config.json names its base as an absolute path, not as the path typed
+        for config in model.peft_config.values():
+            config.base_model_name_or_path = os.path.abspath(base)
     model.save_pretrained(adapter)
     tokenizer.save_pretrained(adapter)
     if base_dir is None and not merge:
