@@ -53,3 +53,9 @@ def test_the_build_counts_teacher_batches_as_they_finish(teacher_dir, text_file,
     build(cache_config(teacher_dir, text_file, tmp_path / "c", max_sequences=8, seqs_per_shard=8, batch_size=2))
     counts = [int(m.group(1)) for m in re.finditer(r"cache build: (\d+)/", capfd.readouterr().err)]
     assert counts[:4] == [96, 192, 288, 384]  # one line per batch of 2 x 48 tokens, all in one shard
+
+
+def test_counts_read_as_a_person_writes_them():
+    from topkd.progress import count
+
+    assert (count(1, "shard"), count(5, "shard"), count(1774, "token")) == ("1 shard", "5 shards", "1,774 tokens")

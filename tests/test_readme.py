@@ -2,6 +2,7 @@
 import pathlib
 import re
 
+import pytest
 import torch
 
 
@@ -54,3 +55,30 @@ def test_integrations_own_loop_runs_and_learns(built_cache):
     exec(compile(loop, "docs/integrations.md", "exec"), names)
     history = names["history"]
     assert len(history) == 12 and sum(history[-3:]) < sum(history[:3])
+
+
+@pytest.mark.slow  # the GGUF of `make assets`: ~2 minutes on 2 cores
+def test_the_quickstart_runs_as_written_with_the_assets_gguf(tmp_path, monkeypatch):
+    """README "Your own data in three commands", command for command, with the only teacher `make assets` gives
+    (a quantised GGUF, which --init-from-teacher could not cut before) and chat JSONL; only --steps is smaller."""
+    import json
+    import shlex
+
+    from tests.assets import SMOLLM2, asset
+    from tests.cache.tiny import make_text
+    from topkd.cli import main
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## Your own data in three commands"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    lines = [" ".join(part.split("#")[0].split()) for part in block.replace("\\\n", " ").splitlines()]
+    for name, seed in (("chats.jsonl", 0), ("heldout.jsonl", 100)):
+        talks = [[{"role": "user", "content": make_text(8, seed + i)},
+                  {"role": "assistant", "content": make_text(20, seed + i + 50)}] for i in range(12)]
+        (tmp_path / name).write_text("".join(json.dumps({"messages": t}) + "\n" for t in talks))
+    monkeypatch.chdir(tmp_path)
+    for line in filter(None, lines):
+        args = shlex.split(line.replace("TEACHER", asset(SMOLLM2)).replace("--steps 200", "--steps 3"))
+        assert args[0] == "topkd" and main(args[1:]) == 0, line
+    metrics = [json.loads(r) for r in open(tmp_path / "runs" / "chat-student" / "metrics.jsonl")]
+    assert len(metrics) == 3 and all(r["tokens"] > 0 for r in metrics)

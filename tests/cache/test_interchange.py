@@ -1,6 +1,7 @@
-"""`topkd cache export --format axolotl` and `topkd cache import`: Axolotl's columns and shift, one row per
-document, a round trip that gives the rows back (ids exact, log-probs within the uint8 quantisation, the tail
-from the stored mass), refusals. The Parquet steps need `datasets` (extra topkd[hf]): slow tests."""
+"""`topkd cache export --format axolotl` and `topkd cache import`: Axolotl 0.18's columns and pairing (its KD step
+restated from its source and run on exported rows), one row per document, a round trip that gives the rows back
+(ids exact, log-probs within the uint8 quantisation, the tail from the stored mass), refusals, a shifted dataset
+refused. The Parquet steps need `datasets` (extra topkd[hf]): slow tests."""
 import json
 import os
 
@@ -14,23 +15,65 @@ from topkd.cli import main
 from topkd.data import TopKDataset
 
 
-def test_a_row_is_shifted_as_axolotl_reads_it(built_cache):
+def test_a_row_is_laid_out_as_axolotl_0_18_pairs_it(built_cache):
     item = TopKDataset(TopKCache(built_cache), packing="none")[2]
     row = axolotl_row(item)
     n, k = len(item["input_ids"]), item["teacher_ids"].shape[1]
     assert len(row["target_token_ids"]) == n and len(row["target_token_ids"][0]) == k
-    assert row["target_mask"][0] == [0] * k and row["labels"][0] == -100  # position 0 predicts nothing
-    for i in range(1, n):  # target i: the teacher's distribution of token i (from row i - 1)
-        assert row["target_token_ids"][i] == item["teacher_ids"][i - 1].tolist()
-        assert row["target_logprobs"][i] == pytest.approx(item["teacher_logprobs"][i - 1].tolist())
-        assert row["target_mask"][i] == [int(item["kd_mask"][i - 1])] * k
+    assert row["labels"][0] == -100  # no hidden state before token 0 predicts it
+    for j in range(n):  # target row j: the teacher's distribution of token j + 1, for hidden state j
+        assert row["target_token_ids"][j] == item["teacher_ids"][j].tolist()
+        assert row["target_logprobs"][j] == pytest.approx(item["teacher_logprobs"][j].tolist())
+        assert row["target_mask"][j] == [int(item["kd_mask"][j])] * k
+    for i in range(1, n):  # Axolotl's loss shifts labels: hidden i - 1 is scored against labels[i]
         assert row["labels"][i] == (item["input_ids"][i] if item["labels"][i - 1] >= 0 else -100)
+
+
+def axolotl_0_18_loss(model, rows: list[dict]) -> tuple[float, float, int]:
+    """Axolotl v0.18.0's KD step restated from its source (DataCollatorForKD, AxolotlKDTrainer.compute_loss,
+    LigerFusedLinearKLTopKLogprobFunction; defaults: kd_normalize_topk unset, kd_beta 0, T = 1): right padding
+    (log-probs -1e9, ids 0, mask 0, labels -100); hidden state j paired with target row j; forward KL over the
+    valid top-K entries of the teacher's log-probs against the student's full-vocabulary log-probs; CE of hidden
+    j against labels[j + 1]. Returns (KD sum, CE sum, valid rows). Axolotl itself is not installed here."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    pad = lambda r, key, fill: r[key] + [fill] * (longest - len(r[key]))  # noqa: E731
+    k = len(rows[0]["target_token_ids"][0])
+    ids = torch.tensor([pad(r, "target_token_ids", [0] * k) for r in rows])
+    lp = torch.tensor([pad(r, "target_logprobs", [-1e9] * k) for r in rows], dtype=torch.float32)
+    mask = torch.tensor([pad(r, "target_mask", [0] * k) for r in rows]).bool()
+    labels = torch.tensor([pad(r, "labels", -100) for r in rows])
+    inputs = torch.tensor([pad(r, "input_ids", 0) for r in rows])
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=inputs).last_hidden_state  # one document per row: positions 0..L-1
+        logq = torch.log_softmax(hidden @ model.lm_head.weight.T, dim=-1).reshape(-1, model.config.vocab_size)
+    ids, lp, mask = ids.reshape(-1, k), lp.reshape(-1, k), mask.reshape(-1, k)
+    q_at = logq.gather(1, ids)
+    kd = (lp[mask].exp() * (lp[mask] - q_at[mask])).sum()
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+    ce = torch.nn.functional.nll_loss(logq, shifted, ignore_index=-100, reduction="sum")
+    return float(kd), float(ce), int(mask.any(-1).sum())
+
+
+def test_axolotls_own_step_on_an_exported_batch_is_the_teacher_matching_itself(built_cache):
+    """The teacher as its own student under Axolotl 0.18's pairing: KD ~ 0 (the cache's quantisation), CE its
+    own NLL. One position off (the earlier export: row i held token i's distribution) is far from it."""
+    cache = TopKCache(built_cache)
+    model = cache.load_teacher().model
+    data = TopKDataset(cache, packing="none")
+    rows = [axolotl_row(data[i]) for i in range(6)]
+    kd, ce, n = axolotl_0_18_loss(model, rows)
+    assert n > 100 and abs(kd) / n < 0.01 and ce > 0
+    shifted = [{**r, "target_token_ids": [list(range(len(r["target_token_ids"][0])))] + r["target_token_ids"][:-1],
+                "target_logprobs": [[-1e9] * len(r["target_logprobs"][0])] + r["target_logprobs"][:-1],
+                "target_mask": [[0] * len(r["target_mask"][0])] + r["target_mask"][:-1]} for r in rows]
+    assert axolotl_0_18_loss(model, shifted)[0] / n > 1.0
 
 
 @pytest.mark.slow
 def test_export_then_import_round_trips_the_rows(built_cache, teacher_dir, tmp_path, capsys):
     datasets = pytest.importorskip("datasets")
     assert main(["cache", "export", built_cache, "--format", "axolotl", "--out", str(tmp_path / "ax")]) == 0
+    assert "Generating" not in capsys.readouterr().err  # the datasets library's own bars stay quiet
     rows = datasets.load_dataset(str(tmp_path / "ax"), split="train")
     cache = TopKCache(built_cache)
     assert len(rows) == len(TopKDataset(cache, packing="none"))  # one row per document piece
@@ -44,11 +87,13 @@ def test_export_then_import_round_trips_the_rows(built_cache, teacher_dir, tmp_p
     assert imported.manifest["build"]["tail"].startswith("unknown")
     assert imported.counted_tokens == sum(int(sum(m[0] for m in rows[i]["target_mask"])) for i in range(len(rows)))
     first, row = imported[0], rows[0]
-    assert first["input_ids"].tolist() == row["input_ids"][:-1]
-    counted = torch.tensor([m[0] == 1 for m in row["target_mask"][1:]])
-    assert torch.equal(first["teacher_ids"][counted], torch.tensor(row["target_token_ids"][1:])[counted])
+    assert first["input_ids"].tolist() == row["input_ids"]  # every token: row j is target row j
+    counted = torch.tensor([m[0] == 1 for m in row["target_mask"]])
+    assert torch.equal(first["teacher_ids"][counted], torch.tensor(row["target_token_ids"])[counted])
     got = first["teacher_logprobs"].numpy()[counted.numpy()]
-    assert np.abs(got - np.asarray(row["target_logprobs"][1:])[counted.numpy()]).max() < 0.05  # re-quantised
+    assert np.abs(got - np.asarray(row["target_logprobs"])[counted.numpy()]).max() < 0.05  # re-quantised
+    piece = TopKDataset(cache, packing="none")[0]  # the exported piece's own rows, in place
+    assert torch.equal(first["teacher_ids"][counted], piece["teacher_ids"][counted])
 
 
 @pytest.mark.slow
@@ -68,8 +113,7 @@ def test_a_masked_chat_cache_exported_by_topkd_imports_back(teacher_dir, tmp_pat
     assert main(["cache", "import", str(tmp_path / "ax"), "--tokenizer", chat, "--out", str(tmp_path / "imp")]) == 0
     imported, original = TopKCache(str(tmp_path / "imp")), TopKCache(str(tmp_path / "c"))
     assert imported.verify() == [] and imported.manifest["format_version"] == 3
-    pieces = len(TopKDataset(original, packing="none"))  # each piece's last row has no target position there
-    assert original.counted_tokens - pieces <= imported.counted_tokens <= original.counted_tokens
+    assert imported.counted_tokens == original.counted_tokens  # every assistant target, no prompt row
     assert imported.counted_tokens < imported.tokens  # the prompts came back as masked rows
     row, back = original[0], imported[0]
     assert torch.equal(back["loss_mask"], row["loss_mask"][: len(back["loss_mask"])])
@@ -120,19 +164,19 @@ GOOD = {"input_ids": [5, 6, 7], "target_token_ids": [[0, 1], [3, 4], [5, 6]],
 
 def test_rows_are_rank_ordered_and_masked_positions_kept_as_masked_rows():
     seq = imported_sequence(GOOD, 0, vocab=10)
-    assert seq.ids.tolist() == [[4, 3], [5, 6]] and seq.input_ids.tolist() == [5, 6]  # rank order; last token dropped
-    assert seq.row_mask is None
-    assert np.exp(seq.log_tail[0]) == pytest.approx(1 - np.exp(-1.0) - np.exp(-2.0), rel=1e-5)
+    assert seq.ids.tolist() == [[0, 1], [4, 3], [5, 6]] and seq.input_ids.tolist() == [5, 6, 7]  # rank order
+    assert seq.row_mask.tolist() == [False, True, True]  # row 0 (mask 0): stored, not counted
+    assert np.exp(seq.log_tail[1]) == pytest.approx(1 - np.exp(-1.0) - np.exp(-2.0), rel=1e-5)
     masked = imported_sequence({**GOOD, "target_mask": [[0, 0], [1, 1], [0, 0]],
                                 "target_logprobs": [[0, 0], [-2.0, -1.0], [-np.inf, -np.inf]]}, 0, vocab=10)
-    assert masked.row_mask.tolist() == [True, False]  # a prompt position: stored, not counted
-    assert masked.ids[1].tolist() == [0, 1] and np.isfinite(masked.logprobs).all()  # a stand-in that decodes
+    assert masked.row_mask.tolist() == [False, True, False]  # prompt positions: stored, not counted
+    assert masked.ids[2].tolist() == [0, 1] and np.isfinite(masked.logprobs).all()  # stand-ins that decode
 
 
 @pytest.mark.parametrize("edit, words", [
     ({"target_logprobs": [[-1, -1], [-2.0], [-0.5, -3.0]]}, "target_logprobs: expected a [L][K] (K entries at every "
                                                               "position) list of numbers, got ragged"),
-    ({"target_token_ids": [[0, 1], [3, 4]]}, "of one length L >= 2, got 3, (2, 2)"),
+    ({"target_token_ids": [[0, 1], [3, 4]]}, "of one length L >= 1, got 3, (2, 2)"),
     ({"target_token_ids": [[0, 1], [3.5, 4], [5, 6]]}, "target_token_ids: expected integer token ids, got fractional"),
     ({"target_token_ids": None}, "target_token_ids: expected a [L][K] (K entries at every position) list of "
                                  "numbers, got null"),
@@ -157,3 +201,17 @@ def test_bad_flags_are_refused_before_anything_runs(built_cache, teacher_dir, tm
     (tmp_path / "full" / "f").write_text("x")
     assert main(["cache", "export", built_cache, "--out", str(tmp_path / "full")]) == 2
     assert main(["cache", "import", str(tmp_path), "--tokenizer", teacher_dir, "--out", str(tmp_path / "y")]) == 2
+
+
+def test_a_dataset_written_one_position_shifted_is_refused():
+    """Front-padded rows (row j = the distribution of token j) under Axolotl 0.18's pairing distil silently
+    wrong; a teacher's top-1 gives it away: it is the current token, not the next one."""
+    from topkd.cache.interchange import check_alignment
+
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7]
+    right = {"input_ids": tokens, "target_token_ids": [[t, 1] for t in tokens[1:]] + [[2, 3]],
+             "target_logprobs": [[-0.1, -3.0]] * 8, "target_mask": [[1, 1]] * 8}
+    check_alignment([imported_sequence(right, 0, vocab=10)])
+    shifted = {**right, "target_token_ids": [[t, 1 if t != 1 else 2] for t in tokens]}
+    with pytest.raises(ValueError, match="top-1 is token j itself in 100% .*written one position shifted"):
+        check_alignment([imported_sequence(shifted, 0, vocab=10)])

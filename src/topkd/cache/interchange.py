@@ -3,21 +3,28 @@
     topkd cache export runs/cache --format axolotl --out runs/axolotl-kd     # an HF datasets Parquet dataset
     topkd cache import runs/axolotl-kd --tokenizer TEACHER_DIR --out runs/imported-cache
 
+The convention is that of Axolotl v0.18.0 (AXOLOTL_VERSION), read from its source: AxolotlKDTrainer.compute_loss
+hands the final hidden states [B, L, H] and target_token_ids / target_logprobs / target_mask [B, L, K] unshifted
+to LigerFusedLinearKLTopKLogprobLoss, which pairs hidden state j with target row j and shifts only the labels
+(CE of hidden j against labels[j + 1]). Hidden state j predicts token j + 1, so target row j is the teacher's
+distribution of token j + 1: topkd's own row j, as its online-teacher collator builds it too (row j from vLLM's
+prompt_logprobs[j + 1]). (Its offline chat-template strategies pad the front instead, for the trainer that
+shifted before; a dataset made that way is one position off under v0.18.0's trainer.)
+
 Export writes one row per document (or seq_len piece of one: the context the teacher saw), in
 OUT/data/train-00000-of-00001.parquet, loadable with `datasets.load_dataset(OUT)`, with Axolotl's columns:
-input_ids, attention_mask, labels (-100: no CE) and per position i the teacher's distribution of token i,
-as Axolotl's trainer shifts it: target_token_ids [L][K], target_logprobs [L][K] (full-vocabulary log-probs,
-rank order), target_mask [L][K] (1 where KD counts the position); position 0 is padding (mask 0). What it
-loses: Axolotl renormalises the top-K (no tail bucket: the bucket loss and c_T do not cross over).
+input_ids, attention_mask, labels (token i where row i - 1 takes CE, else -100), target_token_ids [L][K],
+target_logprobs [L][K] (full-vocabulary log-probs in rank order: right for Axolotl's default kd_normalize_topk,
+unset), target_mask [L][K] (1 where KD counts row j). What it loses: Axolotl's loss has no tail bucket, so the
+bucket loss and c_T do not cross over.
 
-Import reads such a dataset (any K, ids in any order) into a topkd cache: row t of a sequence is the
-dataset's target t + 1, so each row's last token has no row and is dropped from its inputs. The exact tail
-is unknown: it is taken as 1 - top-K mass (0 when the dataset's log-probs were renormalised, which makes the
-bucket loss the renormalised one) and the manifest says so; no c_T is stored (tempered bucket KD refused).
-A position with target_mask 0 does not count (a prompt, padding): it is stored as a masked row (format 3, as chat
-caches are), so a masked cache exported by topkd imports back. Every row is validated as the loss and the reader
-would (integer ids in range, K distinct, finite log-probs <= 0, top-K mass <= 1), and refused in one line naming
-the row, never coerced.
+Import reads such a dataset (any K, ids in any order) into a topkd cache, row j = target row j, every token
+kept. The exact tail is unknown: it is taken as 1 - top-K mass (0 when the dataset's log-probs were
+renormalised, which makes the bucket loss the renormalised one) and the manifest says so; no c_T is stored
+(tempered bucket KD refused). A position with target_mask 0 does not count (a prompt, padding): it is stored as
+a masked row (format 3, as chat caches are), so a masked cache exported by topkd imports back. Every row is
+validated as the loss and the reader would (integer ids in range, K distinct, finite log-probs <= 0, top-K
+mass <= 1), and refused in one line naming the row, never coerced.
 """
 from __future__ import annotations
 
@@ -116,18 +123,19 @@ def _require_datasets():
     return datasets
 
 
+AXOLOTL_VERSION = "0.18.0"  # the release whose trainer, loss and collators the convention above is read from
+
+
 def axolotl_row(item: dict[str, torch.Tensor]) -> dict[str, list]:
-    """One TopKDataset item (unpadded) -> one Axolotl KD row: targets shifted one position right."""
+    """One TopKDataset item (unpadded) -> one Axolotl KD row: target row j is topkd's row j (the distribution of
+    token j + 1, for hidden state j); labels[i] is token i where row i - 1 takes CE (Axolotl shifts labels)."""
     ids, lp, counted = item["teacher_ids"], item["teacher_logprobs"], item["kd_mask"]
     k, n = ids.shape[1], len(item["input_ids"])
-    target_ids = torch.cat([torch.arange(k)[None], ids[:-1]])
-    target_lp = torch.cat([torch.full((1, k), -float("inf")), lp[:-1].float()])
-    mask = torch.cat([torch.zeros(1, dtype=torch.bool), counted[:-1]])
     labels = torch.where(torch.cat([torch.zeros(1, dtype=torch.bool), item["labels"][:-1] >= 0]),
                          item["input_ids"], -100)
     return {"input_ids": item["input_ids"].tolist(), "attention_mask": [1] * n, "labels": labels.tolist(),
-            "target_token_ids": target_ids.tolist(), "target_logprobs": target_lp.tolist(),
-            "target_mask": mask[:, None].expand(n, k).int().tolist()}
+            "target_token_ids": ids.tolist(), "target_logprobs": lp.float().tolist(),
+            "target_mask": counted[:, None].expand(n, k).int().tolist()}
 
 
 def export_axolotl(cache_dir: str, out: str) -> str:
@@ -168,14 +176,14 @@ IMPORT_COLUMNS = ("input_ids", "target_token_ids", "target_logprobs", "target_ma
 
 
 def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
-    """One Axolotl KD row -> the topkd sequence it holds (tokens 0..L-2, row t = target t + 1), rank-ordered.
+    """One Axolotl KD row -> the topkd sequence it holds (row j = target row j, every token), rank-ordered.
     Validated as the loss and the reader would: a bad row is refused here, never at training step N."""
     where = f"import: row {index}"
     inputs = _numbers(row, "input_ids", where, 1)
     ids, lp, mask = (_numbers(row, name, where, 2) for name in IMPORT_COLUMNS[1:])
-    if not lp.shape == mask.shape == ids.shape or len(inputs) != len(ids) or len(ids) < 2:
+    if not lp.shape == mask.shape == ids.shape or len(inputs) != len(ids) or len(ids) < 1:
         raise ValueError(f"{where}: expected input_ids [L] and target_token_ids, target_logprobs, target_mask [L][K] "
-                         f"of one length L >= 2, got {len(inputs)}, {ids.shape}, {lp.shape}, {mask.shape}; every "
+                         f"of one length L >= 1, got {len(inputs)}, {ids.shape}, {lp.shape}, {mask.shape}; every "
                          "position needs its K targets (Axolotl pads with mask 0)")
     for name, values in (("input_ids", inputs), ("target_token_ids", ids)):
         if not (np.isfinite(values).all() and (values == np.round(values)).all()):
@@ -184,10 +192,10 @@ def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
     if inputs.min() < 0 or inputs.max() >= vocab:
         raise ValueError(f"{where} input_ids: expected ids in [0, {vocab}), got range [{int(inputs.min())}, "
                          f"{int(inputs.max())}]; pass the teacher's tokenizer, or --vocab-size its lm_head rows")
-    ids, lp, mask = ids[1:].astype(np.int64), lp[1:], mask[1:] != 0
+    ids, mask = ids.astype(np.int64), mask != 0
     counted = mask.all(1)
     if (mask.any(1) & ~counted).any():
-        raise ValueError(f"{where} position {int(np.flatnonzero(mask.any(1) & ~counted)[0]) + 1}: expected a "
+        raise ValueError(f"{where} position {int(np.flatnonzero(mask.any(1) & ~counted)[0])}: expected a "
                          "target_mask of all 1 or all 0 across the K entries, got a mix; topkd rows hold K entries")
     try:  # exactly the loss's own value checks, on the rows that count
         check_values(torch.from_numpy(ids[counted]), torch.from_numpy(lp[counted]), None, None, vocab, "renorm", 1.0)
@@ -201,10 +209,29 @@ def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
     with np.errstate(divide="ignore"):
         log_tail = np.where(tail > 0, np.log(np.maximum(tail, 1e-30)), -np.inf)
     n = len(ids)
-    return TeacherSequence(input_ids=inputs[:n].astype(np.int64), ids=ids, logprobs=lp.astype(np.float32),
+    return TeacherSequence(input_ids=inputs.astype(np.int64), ids=ids, logprobs=lp.astype(np.float32),
                            log_mass=log_mass.astype(np.float32), log_tail=log_tail.astype(np.float32),
                            logz=np.zeros((n, 0), np.float32), doc_starts=np.zeros(1, np.int64), source_index=index,
                            row_mask=None if counted.all() else counted)
+
+
+def check_alignment(seqs: list[TeacherSequence]) -> None:
+    """One position off distils silently wrong: a teacher's top-1 at row j is often the next token (j + 1), and
+    seldom the current one. A dataset whose top-1 matches the current token far more often was written one
+    position shifted (the front-padded convention); it is refused, not imported."""
+    hits = {"next": 0, "current": 0, "rows": 0}
+    for s in seqs:
+        top1 = s.ids[:, 0]
+        counted = np.ones(len(s), bool) if s.row_mask is None else s.row_mask
+        hits["next"] += int(((top1[:-1] == s.input_ids[1:]) & counted[:-1]).sum())
+        hits["current"] += int(((top1 == s.input_ids) & counted).sum())
+        hits["rows"] += int(counted.sum())
+    rows = max(hits["rows"], 1)
+    if hits["current"] > 0.2 * rows and hits["current"] > 2 * hits["next"]:
+        raise ValueError(f"import: expected target row j to be the teacher's distribution of token j + 1 (Axolotl "
+                         f"{AXOLOTL_VERSION}'s trainer pairs it with hidden state j), got rows whose top-1 is token j "
+                         f"itself in {hits['current'] / rows:.0%} of them (token j + 1: {hits['next'] / rows:.0%}): "
+                         "written one position shifted (front-padded); shift it back (row j <- row j + 1)")
 
 
 def _numbers(row: dict, name: str, where: str, dims: int) -> np.ndarray:
@@ -273,6 +300,7 @@ def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: i
     if len({s.ids.shape[1] for s in seqs}) > 1:
         raise ValueError(f"import: expected one K in every row, got {sorted({s.ids.shape[1] for s in seqs})}; "
                          "re-export the dataset with one top-K")
+    check_alignment(seqs)
     if not sum(len(s) if s.row_mask is None else int(s.row_mask.sum()) for s in seqs):
         raise ValueError(f"import: expected some counted targets (target_mask 1), got none in {len(rows)} rows; "
                          "nothing would train")
