@@ -6,7 +6,9 @@
 Prints a table, writes --out (JSON), and prints the same JSON as the last line. Every part is
 optional but at least one is needed: --text (perplexity, bits/byte), --cache (KL to the
 teacher, top-1 agreement, top-K masses), --choices FILES (accuracy), --lm-eval TASKS
-(the real lm-evaluation-harness on the model, for users who have its data sets).
+(the real lm-evaluation-harness on the model, for users who have its data sets). --text always reports the
+calibration of the model's top-1 (ECE; --reliability PNG draws it); --teacher DIR adds, on the same text, the
+full-vocabulary KL(teacher || model), TVD and speculative acceptance that a top-K cache cannot show.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import random
 from dataclasses import asdict, dataclass, field
 
 from topkd.cache import TopKCache
+from topkd.cache.compat import tokenizer_mismatch
 from topkd.checks import require_device, require_dtype, require_ints, require_path
 from topkd.eval.choice import evaluate_choices, load_choice_file
+from topkd.eval.tail import reliability_plot
 from topkd.eval.text import evaluate_text
 from topkd.eval.vs_cache import evaluate_vs_cache
 from topkd.models import load_causal_lm
@@ -37,6 +41,8 @@ class EvalConfig:
     lm_eval: list[str] = field(default_factory=list)
     lm_eval_include: str = ""
     fold_beyond_vocab: bool = False
+    teacher: str = ""
+    reliability: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     out: str = ""
@@ -56,6 +62,9 @@ EVAL_HELP = {
     "lm_eval_include": "a directory of your own lm-eval task YAMLs (e.g. tasks on local JSONL files) for --lm-eval",
     "fold_beyond_vocab": "--cache: score a head smaller than the cache's ids (a student trained with "
                          "--fold-beyond-vocab) with those ids in the tail, as it was trained",
+    "teacher": "--text: the teacher as well (a local HF directory or .gguf, same tokenizer): full-vocabulary "
+               "KL(teacher || model), TVD and speculative acceptance per scored token, which no top-K cache shows",
+    "reliability": "--text: write the reliability diagram of the model's top-1 (calibration, ECE) as a PNG here",
     "dtype": "model weights dtype: float32 | bfloat16 | float16",
     "device": "cpu | cuda",
     "out": "JSON file for the results (default: none; the last printed line is the same JSON)",
@@ -74,6 +83,11 @@ def check_config(cfg: EvalConfig) -> None:
         require_path("--text/--choices", path, "file")
     if cfg.cache:
         require_path("--cache", cfg.cache, "dir")
+    if (cfg.teacher or cfg.reliability) and not cfg.text:
+        raise ValueError(f"--teacher and --reliability go with --text (held-out text both models read), got "
+                         f"teacher={cfg.teacher!r} reliability={cfg.reliability!r} and no --text; add --text FILES")
+    if cfg.teacher:
+        require_path("--teacher", cfg.teacher)
     require_ints(cfg, ("seq_len",), 2)
     require_ints(cfg, ("limit", "max_tokens", "max_sequences"), 0)
     require_dtype(cfg.dtype)
@@ -87,7 +101,12 @@ def run_eval(cfg: EvalConfig) -> dict:
     model, tokenizer = load_causal_lm(cfg.model, cfg.dtype, cfg.device, role="model")
     result = {"model": cfg.name or cfg.model}
     if cfg.text:
-        result["text"] = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens)
+        teacher = load_teacher_for(cfg, tokenizer) if cfg.teacher else None
+        result["text"] = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens, teacher=teacher)
+        if cfg.reliability:
+            reliability_plot({"ece": result["text"]["ece"], "bins": result["text"]["calibration"]}, cfg.reliability,
+                             cfg.name or os.path.basename(os.path.normpath(cfg.model)))
+            wrote("eval", f"the reliability diagram to {cfg.reliability}")
     if cfg.cache:
         cache = TopKCache(cfg.cache)
         rows = model.get_output_embeddings().weight.shape[0]
@@ -110,6 +129,16 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.out:
         wrote("eval", cfg.out)
     return result
+
+
+def load_teacher_for(cfg: EvalConfig, tokenizer):
+    """The live teacher, refused unless it tokenises as the model does (one vocabulary for both distributions)."""
+    teacher, teacher_tokenizer = load_causal_lm(cfg.teacher, cfg.dtype, cfg.device, role="teacher")
+    problem = tokenizer_mismatch(teacher_tokenizer, tokenizer)
+    if problem:
+        raise ValueError(f"--teacher: expected the model's tokenizer, got different token ids ({problem}); "
+                         "compare a student with its own teacher")
+    return teacher
 
 
 def run_lm_eval(cfg: EvalConfig) -> dict:
@@ -141,7 +170,9 @@ def run_lm_eval(cfg: EvalConfig) -> dict:
             for task, metrics in out["results"].items()}
 
 
-ROWS = [("text", "bits_per_byte", "bits/byte"), ("text", "perplexity", "ppl"), ("vs_teacher", "kl_bucket", "KL bucket"),
+ROWS = [("text", "bits_per_byte", "bits/byte"), ("text", "perplexity", "ppl"), ("text", "ece", "ECE"),
+        ("text", "kl_full", "KL full vocab"), ("text", "acceptance", "acceptance"),
+        ("vs_teacher", "kl_bucket", "KL bucket"),
         ("vs_teacher", "kl_renorm", "KL renorm"), ("vs_teacher", "top1_agreement", "top-1 agree"),
         ("vs_teacher", "student_mass_on_topk", "mass on top-K")]
 
