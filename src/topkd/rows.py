@@ -1,5 +1,7 @@
 """What a valid teacher row is: ids in [0, V), K distinct, finite log-probs <= 0, top-K mass <= 1, a c_T whose
-tempered mass is <= 1, labels in range. One home for these checks: the loss runs them on the counted tokens of
+tempered mass is <= 1, labels in range. An entry whose log-prob is -inf is padding (rows of variable K: a
+sampled or adaptive cache): it carries no mass, its id may be anything, and each row needs one real entry.
+One home for these checks: the loss runs them on the counted tokens of
 every batch (topkd/loss/validate.py), `topkd cache import` on every row it reads (topkd/cache/interchange.py).
 
     check_values(ids, logprobs, logz, labels, vocab, tail="bucket", temperature=1.0)   # ValueError naming the fix
@@ -7,6 +9,8 @@ every batch (topkd/loss/validate.py), `topkd cache import` on every row it reads
 O(N K), never O(N V); rows are walked in blocks, so no N x K float64 temporary is made.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -25,14 +29,21 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
     """Value checks on the counted tokens ([n, K] etc.). Meta tensors (cost-model traces) have no values."""
     if ids.numel() == 0 or ids.device.type == "meta":
         return
-    lo, hi = int(ids.min()), int(ids.max())
+    padding = logprobs == -math.inf
+    padded = bool(padding.any())
+    if padded:
+        empty = int(padding.all(dim=-1).sum())
+        _need(not empty, f"teacher_logprobs: expected at least one real entry (a finite log-prob) per counted "
+              f"token, got {empty} token(s) of padding only (-inf everywhere); mask those tokens out")
+    real = ids[~padding] if padded else ids
+    lo, hi = int(real.min()), int(real.max())
     _need(lo >= 0 and hi < vocab, f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
           "is the cache built for another vocabulary?")
     tempered_logz = logz if (logz is not None and tail == "bucket") else None
     dup_rows, mass, tempered = 0, 0.0, 0.0
     for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):  # blocks: no N x K float64 temporaries
         block = slice(a, a + VALUE_CHECK_ROWS)
-        dup_rows += _duplicate_rows(ids[block])
+        dup_rows += _duplicate_rows(_distinct_padding(ids[block], padding[block]) if padded else ids[block])
         lp = logprobs[block].double()
         mass = max(mass, lp.exp().sum(-1).max().item())
         if tempered_logz is not None:
@@ -41,9 +52,9 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
     if dup_rows:
         raise ValueError(f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
                          "token(s); drop repeated ids")
-    bad = ~torch.isfinite(logprobs)
-    _need(not bool(bad.any()), f"teacher_logprobs: expected finite values, got {int(bad.sum())} NaN/inf; "
-          "mask those tokens out or repair the cache")
+    bad = torch.isnan(logprobs) | (logprobs == math.inf)
+    _need(not bool(bad.any()), f"teacher_logprobs: expected finite values (or -inf for padding), got "
+          f"{int(bad.sum())} NaN/+inf; mask those tokens out or repair the cache")
     top = float(logprobs.max())
     _need(top <= LOGPROB_SLACK, f"teacher_logprobs: expected log-probabilities (<= 0), got max {top:.4g}; "
           "pass log_softmax(teacher_logits) over the full vocabulary, not raw logits")
@@ -59,6 +70,12 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
             raise ValueError(f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
                              f"[{int(valid.min())}, {int(valid.max())}]")
+
+
+def _distinct_padding(ids: Tensor, padding: Tensor) -> Tensor:
+    """Padding ids as distinct negatives: padding may repeat any id without being a duplicate."""
+    stand_in = -1 - torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    return torch.where(padding, stand_in.to(ids.dtype), ids)
 
 
 def _duplicate_rows(ids: Tensor) -> int:

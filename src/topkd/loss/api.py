@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from topkd.loss import validate
 from topkd.loss.baselines import chunked_linear_kd, dense_linear_kd
-from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows
+from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows, with_padding
 from topkd.loss.fused import FusedLinearKD, chunk_rows
 from topkd.loss.options import LossOptions
 from topkd.loss.vocab_parallel import VocabParallel, shard_for
@@ -155,7 +155,8 @@ def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_l
                          row_index, k)
     validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, options.tail,
                           float(options.temperature))
-    spec = LossSpec(**options.kwargs(), full_support=(k == vocab))
+    rows = with_padding(rows)  # variable K: -inf entries are padding
+    spec = LossSpec(**options.kwargs(), full_support=(k == vocab and rows.padding is None))
     chunk = options.chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
                                              hidden.device.type)
     return x, row_index, rows, spec, chunk

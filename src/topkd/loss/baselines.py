@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -94,13 +96,18 @@ def dense_linear_kd(x: Tensor, weight: Tensor, bias: Tensor | None, rows: Teache
     log_q_full = torch.log_softmax(logits / spec.temperature, dim=-1)
     p, log_p = teacher_buckets(rows.logprobs.to(cdt), None if rows.logz is None else rows.logz.to(cdt),
                                spec.tail, spec.temperature, spec.full_support)
-    teacher_grid = torch.zeros(n, vocab, dtype=cdt, device=x.device).scatter_(1, ids, p[:, :-1])
+    # scatter_add: a padding entry (variable K) aliases a real id and adds its p = 0
+    teacher_grid = torch.zeros(n, vocab, dtype=cdt, device=x.device).scatter_add_(1, ids, p[:, :-1])
     on_support = torch.zeros(n, vocab, dtype=torch.bool, device=x.device).scatter_(1, ids, True)
     q_tail = log_q_full.exp().masked_fill(on_support, 0.0).sum(-1, keepdim=True)
     p_top = teacher_grid.gather(1, ids)  # round trip through the dense grid, as dense tools do
-    p = torch.cat([p_top, p[:, -1:]], dim=-1)
     tiny = torch.finfo(cdt).tiny
-    log_q = torch.cat([log_q_full.gather(1, ids), q_tail.clamp_min(tiny).log()], dim=-1)
+    log_q_ids = log_q_full.gather(1, ids)
+    if rows.padding is not None:  # the aliases are no outcomes: p = 0, q = tiny
+        p_top = p_top.masked_fill(rows.padding, 0.0)
+        log_q_ids = log_q_ids.masked_fill(rows.padding, math.log(tiny))
+    p = torch.cat([p_top, p[:, -1:]], dim=-1)
+    log_q = torch.cat([log_q_ids, q_tail.clamp_min(tiny).log()], dim=-1)
     kd = DIVERGENCES[spec.divergence](make_buckets(p, log_p, log_q), spec.beta) * spec.temperature**2
     ce = None
     if rows.labels is not None:

@@ -43,13 +43,35 @@ class TeacherRows:
     logprobs: Tensor  # [n, K] float, log p at T=1
     logz: Tensor | None  # [n] c_T, or None
     labels: Tensor | None  # [n] int64 with -100 ignored, or None when CE is off
+    padding: Tensor | None = None  # [n, K] bool: entries with log-prob -inf (variable K); their ids alias the
+    #                                row's first real id, so every pass over ids stays a plain gather/scatter
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
     def slice(self, start: int, end: int) -> "TeacherRows":
         pick = lambda t: None if t is None else t[start:end]  # noqa: E731
-        return TeacherRows(pick(self.ids), pick(self.logprobs), pick(self.logz), pick(self.labels))
+        return TeacherRows(pick(self.ids), pick(self.logprobs), pick(self.logz), pick(self.labels),
+                           pick(self.padding))
+
+
+def with_padding(rows: TeacherRows) -> TeacherRows:
+    """Rows of variable K: entries with log-prob -inf become padding (no mass, no gradient), their ids replaced by
+    the row's first real id. The aliasing keeps every kernel as it is: zeroing the ids and scattering the id
+    gradients write the same place with the same value twice; chunk_step then removes the aliases' share from
+    the student's sums and gives them the real id's gradient. Rows with no padding are returned as they are."""
+    if rows.ids.device.type == "meta":  # cost-model traces carry no values
+        return rows
+    padding = rows.logprobs == -math.inf
+    if not bool(padding.any()):
+        return rows
+    ids = torch.where(padding, rows.ids.gather(1, _first_real(padding)), rows.ids)
+    return TeacherRows(ids, rows.logprobs, rows.logz, rows.labels, padding)
+
+
+def _first_real(padding: Tensor) -> Tensor:
+    """[n, 1] position of each row's first real (non-padding) entry."""
+    return (~padding).to(torch.uint8).argmax(dim=1, keepdim=True)
 
 
 @dataclass(frozen=True)
@@ -163,11 +185,18 @@ def chunk_step(
         total1 = _row_sum(untempered, shard)
         lse1 = m1.squeeze(1) + total1.log()
     m, z_ids, tail_sum, total = kernels.softmax_stats(z, ids, temp, shard)
+    pad = rows.padding
+    if pad is not None:  # an alias of a real id is no outcome of the student: no mass, no share of the total
+        z_ids = z_ids.masked_fill(pad, -math.inf)
+        total = tail_sum + z_ids.exp().sum(dim=1)
     if untempered is None and labels is not None:
         total1, lse1 = total, m + total.log()
     log_total = total.log()
     log_q_tail = (tail_sum.log() - log_total).clamp_min(math.log(torch.finfo(cdt).tiny))
-    log_q = torch.cat([z_ids - log_total.unsqueeze(1), log_q_tail.unsqueeze(1)], 1)
+    log_q_ids = z_ids - log_total.unsqueeze(1)
+    if pad is not None:  # finite, as every bucket log-prob is: q = tiny there, and p = 0
+        log_q_ids = log_q_ids.masked_fill(pad, math.log(torch.finfo(cdt).tiny))
+    log_q = torch.cat([log_q_ids, log_q_tail.unsqueeze(1)], 1)
     p, log_p = teacher_buckets(rows.logprobs.to(cdt), None if rows.logz is None else rows.logz.to(cdt),
                                spec.tail, temp, spec.full_support)
     divergence = DIVERGENCES[spec.divergence]
@@ -183,6 +212,8 @@ def chunk_step(
         (u,) = torch.autograd.grad((kd * kd_weight.to(cdt)).sum() * scale, log_q)
     shared_ce = ce_weight.to(cdt) if labels is not None and untempered is None else None
     dense, at_ids = _grad_coefficients(u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce)
+    if pad is not None:  # an alias writes the real id's own gradient: the duplicate scatter is then harmless
+        at_ids = torch.where(pad, at_ids.gather(1, _first_real(pad)), at_ids)
     kernels.write_grad(z, m, dense, ids, at_ids, temp, out, shard)
     if labels is not None:
         w = ce_weight.to(cdt)

@@ -7,6 +7,7 @@ writing one function here and registering it in `DIVERGENCES`. Nothing else chan
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -82,6 +83,8 @@ def teacher_buckets(
             p_tail = torch.zeros_like(p_tail)
         log_p_top = a
     p = torch.cat([p_top, p_tail], dim=-1)
+    padding = log_p_top == -math.inf  # entries of variable-K rows that carry nothing: finite, so p log p = 0
+    log_p_top = log_p_top.masked_fill(padding, math.log(torch.finfo(log_p_top.dtype).tiny))
     log_p = torch.cat([log_p_top, _log_clamped(p_tail)], dim=-1)
     return p, log_p
 
