@@ -67,3 +67,19 @@ def test_a_teacher_of_another_tokenizer_is_refused(teacher_dir, text_file, tmp_p
     json.dump(tok, open(other / "tokenizer.json", "w"))
     with pytest.raises(ValueError, match="--teacher: expected the model's tokenizer, got different token ids"):
         run_eval(EvalConfig(model=teacher_dir, text=[text_file], teacher=str(other), max_tokens=100))
+
+
+def test_the_cache_acceptance_bound_is_an_upper_bound_of_the_true_one():
+    """From a cache, acceptance is only bounded: the tail is one bucket (min of sums >= sum of mins)."""
+    from topkd.eval.vs_cache import acceptance_bound
+
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 3, 20):
+        logp = torch.log_softmax(3 * torch.randn(50, 20, generator=g, dtype=torch.float64), -1)
+        logq = torch.log_softmax(torch.randn(50, 20, generator=g, dtype=torch.float64), -1)
+        true = torch.minimum(logp.exp(), logq.exp()).sum(-1)
+        ids = logp.argsort(-1, descending=True)[:, :k]  # the teacher's top-k, as a cache keeps it
+        bound = acceptance_bound(logp.gather(1, ids), logq.gather(1, ids))
+        assert (bound >= true - 1e-12).all() and (bound <= 1 + 1e-12).all()
+        if k == 20:  # the whole vocabulary cached: exact
+            assert torch.allclose(bound, true)

@@ -174,7 +174,8 @@ ROWS = [("text", "bits_per_byte", "bits/byte"), ("text", "perplexity", "ppl"), (
         ("text", "kl_full", "KL full vocab"), ("text", "acceptance", "acceptance"),
         ("vs_teacher", "kl_bucket", "KL bucket"),
         ("vs_teacher", "kl_renorm", "KL renorm"), ("vs_teacher", "top1_agreement", "top-1 agree"),
-        ("vs_teacher", "student_mass_on_topk", "mass on top-K")]
+        ("vs_teacher", "student_mass_on_topk", "mass on top-K"),
+        ("vs_teacher", "acceptance_upper_bound", "accept <= (cache)")]
 
 
 def table(results: list[dict]) -> str:

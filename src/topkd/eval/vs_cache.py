@@ -9,6 +9,9 @@ Per counted token (the training stream's mask: no separator rows, no padding), a
   top1_agreement   the model's argmax is the teacher's most likely token
   teacher_topk_mass  the cache's stored top-K mass (how much of the teacher the cache keeps)
   student_mass_on_topk  the model's probability on the teacher's top-K ids
+  acceptance_upper_bound  sum_k min(p_k, q_k) + min(p_tail, q_tail): speculative acceptance as far as a cache
+                 can see it; the tail is one bucket, so this is an upper bound of the true sum_v min(p_v, q_v)
+                 (`topkd eval --teacher` measures it exactly)
 kl_bucket comes from topkd.fused_linear_kd itself (no gradient), the loss the student trains on.
 Both are 0 for the teacher itself up to the cache's quantisation (the renorm *training* loss is
 not: it compares the renormalised teacher with the student's full softmax).
@@ -26,6 +29,14 @@ from topkd.models import final_hidden, model_head
 from topkd.progress import track
 
 
+def acceptance_bound(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor) -> torch.Tensor:
+    """[N]: sum_k min(p_k, q_k) over the cached ids plus min of the two tails. Each tail token's min(p_v, q_v)
+    sums to at most the min of the tail masses, so this bounds the true acceptance from above."""
+    p, q = teacher_logprobs.exp(), student_logprobs.exp()
+    p_tail, q_tail = (1 - p.sum(-1)).clamp_min(0), (1 - q.sum(-1)).clamp_min(0)
+    return torch.minimum(p, q).sum(-1) + torch.minimum(p_tail, q_tail)
+
+
 @torch.no_grad()
 def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0, fold_beyond_vocab: bool = False) -> dict:
     """fold_beyond_vocab: a head smaller than the cache's ids (trained with --fold-beyond-vocab) is scored with those
@@ -40,7 +51,7 @@ def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0, fold_beyo
                          f"{softcap}; evaluate it on text instead")
     n = min(stream.per_epoch, max_sequences) if max_sequences else stream.per_epoch
     sums = {"kl_bucket": 0.0, "kl_renorm": 0.0, "top1_agreement": 0.0, "teacher_topk_mass": 0.0,
-            "student_mass_on_topk": 0.0}
+            "student_mass_on_topk": 0.0, "acceptance_upper_bound": 0.0}
     counted = 0
     for i in track(range(n), desc="eval vs cache", unit="seq"):
         sample = {k: v.to(weight.device) for k, v in stream.sample(i).items()}
@@ -61,6 +72,7 @@ def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0, fold_beyo
         sums["top1_agreement"] += float((stats["argmax"] == ids[:, 0].long()).sum())
         sums["teacher_topk_mass"] += float(teacher.logsumexp(dim=-1).exp().sum())
         sums["student_mass_on_topk"] += float(student.logsumexp(dim=-1).exp().sum())
+        sums["acceptance_upper_bound"] += float(acceptance_bound(teacher, student).sum())
         counted += int(mask.sum())
     if counted == 0:
         raise ValueError(f"cache {cache.path}: expected counted tokens to score, got none")
