@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 SRC = pathlib.Path(__file__).parents[1] / "src" / "topkd"
-BASE = {"files", "memory", "stamp", "progress", "signals", "checks", "dist", "tiles", "trace", "rows"}
+BASE = {"files", "memory", "stamp", "progress", "signals", "checks", "dist", "tiles", "trace", "rows", "version"}
 LAYERS = {  # layer -> the layers it may import (base is always allowed)
     "data": set(),
     "loss": set(),

@@ -8,7 +8,7 @@ import subprocess
 
 import torch
 
-import topkd
+from topkd.version import __version__
 
 
 def _cpu_model() -> str:
@@ -49,6 +49,6 @@ def stamp(device: str = "cpu") -> dict:
         machine = torch.cuda.get_device_name(0)
     else:
         machine = f"{_cpu_model()} x{os.cpu_count()} cores, {_mem_gib()} GiB"
-    return {"machine": machine, "device": device, "torch": torch.__version__, "topkd": topkd.__version__,
+    return {"machine": machine, "device": device, "torch": torch.__version__, "topkd": __version__,
             "python": platform.python_version(), "commit": _commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

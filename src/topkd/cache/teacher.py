@@ -26,6 +26,7 @@ from topkd.data.documents import position_ids
 from topkd.files import json_sha256
 from topkd.models import final_hidden, load_causal_lm, logit_chunks
 from topkd.tiles import row_blocks
+from topkd.version import __version__
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
 ALIGNMENT = "row t holds p(x_{t+1} | x_<=t)"
@@ -46,11 +47,9 @@ class TeacherEngine(Protocol):
 def fingerprint(*, source: str, weights_sha256: str, config_sha256: str, tokenizer, dtype: str, vocab: int, k: int,
                 temperatures: tuple[float, ...], engine: str) -> dict:
     """The identity of a teacher's rows, as the cache manifest records it: one builder for every engine."""
-    import topkd
-
     return {"teacher": source, "weights_sha256": weights_sha256, "config_sha256": config_sha256,
             "tokenizer_sha256": tokenizer_hash(tokenizer), "dtype": dtype, "vocab_size": vocab, "k": k,
-            "temperatures": list(temperatures), "engine": engine, "topkd_version": topkd.__version__,
+            "temperatures": list(temperatures), "engine": engine, "topkd_version": __version__,
             "alignment": ALIGNMENT, "attention": ATTENTION}
 
 
