@@ -238,3 +238,19 @@ def test_the_temperature_is_stated_once_on_the_dataset(built_cache, tmp_path):
         KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered, temperature=3.0)
     with pytest.raises(ValueError, match=r"build the dataset with TopKDataset\(cache, temperature=2.0\)"):
         KDTrainer(model=_student(built_cache), args=args, train_dataset=TopKDataset(built_cache), temperature=2.0)
+
+
+@pytest.mark.slow  # needs the extra topkd[hf] (datasets)
+def test_a_wrapped_dataset_is_checked_and_carries_its_temperature(built_cache, tmp_path):
+    """as_hf_dataset (the TRL route) hid the cache from KDTrainer's student check."""
+    pytest.importorskip("datasets")
+    from topkd.hf import as_hf_dataset
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", disable_tqdm=True)
+    wrapped = as_hf_dataset(TopKDataset(built_cache, seq_len=24, temperature=2.0))
+    assert KDTrainer(model=_student(built_cache), args=args, train_dataset=wrapped).kd_options.temperature == 2.0
+    small = _student(built_cache)
+    small.resize_token_embeddings(10)
+    with pytest.raises(ValueError, match="student vocabulary: expected >= the teacher's"):
+        KDTrainer(model=small, args=args, train_dataset=wrapped)

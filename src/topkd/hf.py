@@ -115,13 +115,14 @@ class KDTrainer(KDTrainerMixin, transformers.Trainer):
 def kd_temperature(given: float | None, dataset, tail: str) -> float:
     """The temperature, stated once: a TopKDataset built with temperature=T carries c_T for T, and KDTrainer takes
     T from it; a different one given to KDTrainer as well is refused here, not at the first step."""
-    carried = getattr(dataset, "temperature", None) if isinstance(dataset, TopKDataset) else None
+    dataset = _topk_dataset(dataset)
+    carried = None if dataset is None else dataset.temperature
     if given is None:
         return float(carried) if carried is not None else 1.0
     if carried is not None and float(given) != float(carried):
         raise ValueError(f"KDTrainer: temperature={given}, but the dataset carries c_T for T={carried} "
                          "(TopKDataset(temperature=...)); state it once: leave KDTrainer's temperature out")
-    if isinstance(dataset, TopKDataset) and float(given) != 1.0 and tail == "bucket" and carried is None:
+    if dataset is not None and float(given) != 1.0 and tail == "bucket" and carried is None:
         raise ValueError(f"KDTrainer: temperature={given} with tail='bucket' needs c_T; build the dataset with "
                          f"TopKDataset(cache, temperature={given}) and leave KDTrainer's temperature out")
     return float(given)
@@ -132,7 +133,7 @@ def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_voca
     whose tokenizer gives other ids (Llama-2 and Mistral-7B share V=32,000, not their tokens). The tokenizer is
     the processing_class, else the one saved beside the model (config._name_or_path); without either, only the
     vocabulary is checked, and a warning says so."""
-    cache = getattr(getattr(dataset, "stream", None), "source", None)
+    cache = getattr(getattr(_topk_dataset(dataset), "stream", None), "source", None)
     if not hasattr(cache, "check_student"):
         return  # not a cache (an online teacher, a `datasets` copy): nothing recorded to check against
     head = head_model(model)
@@ -169,7 +170,15 @@ def as_hf_dataset(data: TopKDataset):
         for index in itertools.count():
             yield {name: t.numpy() for name, t in data[index].items()}
 
-    return datasets.IterableDataset.from_generator(items).with_format("torch")
+    out = datasets.IterableDataset.from_generator(items).with_format("torch")
+    out.topkd_dataset = data  # what KDTrainer checks the student against, and takes the temperature from
+    return out
+
+
+def _topk_dataset(dataset):
+    """The TopKDataset behind a train_dataset: itself, or the one as_hf_dataset wrapped (None: neither)."""
+    dataset = getattr(dataset, "topkd_dataset", dataset)
+    return dataset if isinstance(dataset, TopKDataset) else None
 
 
 def head_model(model):
