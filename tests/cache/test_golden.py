@@ -108,3 +108,34 @@ def test_golden_version_3_shard_with_a_row_mask(tmp_path):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN_V3_SHA256
     reader = ShardReader(str(path))
     assert reader.sequence(0).row_mask.tolist() == [False, True] and reader.sequence(1).row_mask.tolist() == [True]
+
+
+GOLDEN_V4_SHA256 = "a8dcb3014b39e8e116f15acfa0b7d1418e19e92804da7fcf533c61e46afd6ea4"
+
+
+def test_golden_version_4_shard_with_padding_entries(tmp_path):
+    """Version 4 (rows of variable K, a sampled cache): version 3 plus padding entries. A padding entry's log-prob
+    code is 255 (real codes stop at 254), its rice gap 0 after the row's real ids (sorted last), its packed id 0;
+    it decodes to -inf, last in rank order, with the row's first id."""
+    from topkd.cache.shard import VARIABLE_K_VERSION
+
+    seqs = golden_sequences()
+    seqs[0].logprobs = seqs[0].logprobs.copy()
+    seqs[0].logprobs[1, 1:] = -np.inf  # row 1 keeps one real entry (id 0)
+    seqs[0].log_mass[1] = seqs[0].logprobs[1, 0]
+    identity = {"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"}
+    arrays, meta = encode_shard(seqs, vocab=300, codec_name="rice", identity=identity, temperatures=(2.0,),
+                                variable_k=True)
+    assert meta["format_version"] == str(VARIABLE_K_VERSION) == "4" and arrays["row_mask"].tolist() == [1, 1, 1]
+    assert arrays["lp_codes"][1].tolist()[1:] == [255, 255]
+    path = tmp_path / "s.safetensors"
+    write_shard(str(path), arrays, meta)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN_V4_SHA256
+    for codec_name in ("rice-zstd", "rice", "packed"):
+        arrays, meta = encode_shard(seqs, vocab=300, codec_name=codec_name, identity=identity, temperatures=(2.0,),
+                                    variable_k=True)
+        write_shard(str(tmp_path / codec_name), arrays, meta)
+        row = ShardReader(str(tmp_path / codec_name)).sequence(0)
+        assert row.ids[1].tolist() == [0, 0, 0] and np.isneginf(row.logprobs[1, 1:]).all(), codec_name
+        assert row.logprobs[1, 0] == pytest.approx(seqs[0].logprobs[1, 0], abs=1e-6)  # the exact mass: one entry
+        assert sorted(row.ids[0].tolist()) == [2, 7, 299] and np.isfinite(row.logprobs[0]).all()

@@ -17,6 +17,8 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from topkd import dist
 from topkd.cache import manifest as mf
 from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer, tokenizer_problems
@@ -254,7 +256,8 @@ def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
 
 def shard_facts(rows: list[TeacherSequence], meta: dict) -> dict:
     """What a sidecar records beside the checksum: the largest token id, the format version, counted rows."""
-    return {"max_id": max(max(int(r.ids.max()), int(r.input_ids.max())) for r in rows),
+    real = lambda r: r.ids[~np.isneginf(r.logprobs)]  # noqa: E731  (padding ids are never read)
+    return {"max_id": max(max(int(real(r).max()), int(r.input_ids.max())) for r in rows),
             "format_version": int(meta["format_version"]),
             "counted": sum(len(r) if r.row_mask is None else int(r.row_mask.sum()) for r in rows)}
 

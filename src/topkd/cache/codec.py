@@ -26,6 +26,7 @@ import warnings
 
 import numpy as np
 
+PAD_CODE = 255  # format version 4: an entry that is padding (a row of variable K); its id is never read
 COMPAND = 3.0  # nats: the smallest per-token scale; code 254 then decodes to 16.6 nats below the top-1
 MAX_SCALE = 4096.0  # largest scale (float16-exact); rows deeper than 4096 ln 255 nats (e.g. -inf entries) clamp
 MAX_CODE = 254
@@ -91,10 +92,19 @@ def decode_unary(stream: np.ndarray, count: int) -> np.ndarray:
     return np.diff(zeros, prepend=-1) - 1
 
 
-def sorted_gaps(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Ids [T, K] (any order) -> (the permutation sorting each row ascending, the gaps of the sorted rows)."""
-    order = np.argsort(ids, axis=1, kind="stable")
-    return order, id_gaps(np.take_along_axis(ids, order, axis=1).astype(np.int64))
+def sorted_gaps(ids: np.ndarray, padding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ids [T, K] (any order) -> (the permutation sorting each row ascending, the gaps of the sorted rows).
+    padding [T, K] (format 4): those entries sort last with gap 0 each, the cheapest Rice code."""
+    if padding is None or not padding.any():
+        order = np.argsort(ids, axis=1, kind="stable")
+        return order, id_gaps(np.take_along_axis(ids, order, axis=1).astype(np.int64))
+    key = np.where(padding, np.iinfo(np.int64).max, ids.astype(np.int64))
+    order = np.argsort(key, axis=1, kind="stable")
+    ranked = np.take_along_axis(key, order, axis=1)
+    pad = np.take_along_axis(padding, order, axis=1)
+    last = np.maximum.accumulate(np.where(pad, -1, ranked), axis=1)  # each padding follows the last real id
+    ranked = np.where(pad, last + np.cumsum(pad, axis=1), ranked)
+    return order, id_gaps(ranked)
 
 
 def encode_rice(gaps: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,25 +133,36 @@ def row_scales(logprobs: np.ndarray) -> np.ndarray:
     return np.where(half < scale, np.nextafter(half, np.float16(np.inf)), half)  # rounded up: nothing clamps
 
 
-def quantise_logprobs(logprobs: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
+def quantise_logprobs(logprobs: np.ndarray, scales: np.ndarray | None = None,
+                      padding: np.ndarray | None = None) -> np.ndarray:
     """[T, K] float log-probs (any order) -> uint8 codes of the companded gap below each row's max.
 
-    scales: per-row compander scale (row_scales); None means COMPAND for every row (format version 1)."""
+    scales: per-row compander scale (row_scales); None means COMPAND for every row (format version 1).
+    padding [T, K] (format 4): those entries get PAD_CODE, whatever their log-prob."""
     lp = logprobs.astype(np.float64)
-    d = lp.max(axis=1, keepdims=True) - lp
+    if padding is not None:
+        lp = np.where(padding, np.nan, lp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        d = np.nanmax(lp, axis=1, keepdims=True) - lp if padding is not None else lp.max(axis=1, keepdims=True) - lp
     s = COMPAND if scales is None else scales.astype(np.float64)[:, None]
     u = -np.expm1(-d / s)
-    return np.minimum(np.rint(u * (MAX_CODE + 1)), MAX_CODE).astype(np.uint8)
+    codes = np.minimum(np.rint(np.nan_to_num(u) * (MAX_CODE + 1)), MAX_CODE).astype(np.uint8)
+    return codes if padding is None else np.where(padding, PAD_CODE, codes).astype(np.uint8)
 
 
 _UNIT_DEPTH = np.array([-math.log1p(-c / (MAX_CODE + 1)) for c in range(MAX_CODE + 1)])  # d / scale per code
+_UNIT_DEPTH_PAD = np.append(_UNIT_DEPTH, np.inf)  # PAD_CODE: infinitely deep, exp 0: no share of the mass
 
 
-def dequantise_logprobs(codes: np.ndarray, log_mass: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
-    """uint8 codes [T, K] + exact log top-K mass [T] (+ per-row scales) -> float32 log-probs with that exact mass."""
-    if codes.size and codes.max() > MAX_CODE:
-        raise ValueError(f"log-prob codes: expected 0..{MAX_CODE}, got {int(codes.max())}; the shard is corrupt")
+def dequantise_logprobs(codes: np.ndarray, log_mass: np.ndarray, scales: np.ndarray | None = None,
+                        padding_allowed: bool = False) -> np.ndarray:
+    """uint8 codes [T, K] + exact log top-K mass [T] (+ per-row scales) -> float32 log-probs with that exact mass.
+    padding_allowed (format 4): PAD_CODE decodes to -inf, outside the mass."""
+    top = MAX_CODE + 1 if padding_allowed else MAX_CODE
+    if codes.size and codes.max() > top:
+        raise ValueError(f"log-prob codes: expected 0..{top}, got {int(codes.max())}; the shard is corrupt")
     s = COMPAND if scales is None else scales.astype(np.float64)[:, None]
-    neg_d = -_UNIT_DEPTH[codes] * s
+    neg_d = -_UNIT_DEPTH_PAD[codes] * s
     shift = np.log(np.exp(neg_d).sum(axis=1, keepdims=True))  # max entry is 0, so no overflow
     return (neg_d - shift + log_mass.astype(np.float64)[:, None]).astype(np.float32)

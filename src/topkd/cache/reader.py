@@ -28,7 +28,7 @@ SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq
 OPEN_SHARDS = 64
 ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "lp_codes", "id_rem",
                "ids_packed", "row_mask"}  # one row per token
-VERSION_TENSORS = {2: set(), 3: {"row_mask"}}  # what each format version adds to every shard
+VERSION_TENSORS = {2: set(), 3: {"row_mask"}, 4: {"row_mask"}}  # what each format version adds to every shard
 
 
 class TopKCache:

@@ -21,7 +21,8 @@ from topkd.files import write_atomic
 
 FORMAT_VERSION = 3  # 3: a per-row loss mask (row_mask, chat data); 2: per-token compander scale, exact tempered
 UNMASKED_VERSION = 2  # head mass, shard identity in meta_json. A shard without row_mask is written as version 2,
-READABLE_VERSIONS = (2, 3)  # byte for byte as before: plain caches keep their bytes, version-2 caches still open
+VARIABLE_K_VERSION = 4  # byte for byte as before. 4: rows of variable K (sampled targets): version 3 plus padding
+READABLE_VERSIONS = (2, 3, 4)  # entries (log-prob code 255, decoded -inf); version-2 and 3 caches still open
 CODECS = tuple(shard_codecs.CODECS)  # names; the first is the default
 
 
@@ -47,11 +48,13 @@ class TeacherSequence:
 
 
 def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "rice-zstd",
-                 identity: dict | None = None, temperatures: tuple[float, ...] = ()) -> tuple[dict, dict]:
+                 identity: dict | None = None, temperatures: tuple[float, ...] = (),
+                 variable_k: bool = False) -> tuple[dict, dict]:
     """Sequences -> (tensor name -> numpy array, string metadata) for one shard.
 
     identity (build_hash, shard, sequences) goes into the checksummed bytes, so a shard moved in from
-    another cache or position is refused by the reader; temperatures name the columns of logz."""
+    another cache or position is refused by the reader; temperatures name the columns of logz.
+    variable_k (sampled targets): entries with log-prob -inf are padding, written as version 4."""
     id_codec = shard_codecs.lookup(codec_name)
     if not seqs:
         raise ValueError("a shard needs at least one sequence, got none")
@@ -73,15 +76,16 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
         "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
         "doc_starts": np.concatenate([s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]),
     }
-    masked = any(s.row_mask is not None for s in seqs)
+    masked = variable_k or any(s.row_mask is not None for s in seqs)
     if masked:  # version 3: which rows count (1) and which are context only (0)
         arrays["row_mask"] = np.concatenate([np.ones(len(s), bool) if s.row_mask is None else s.row_mask
                                              for s in seqs]).astype(np.uint8)
-    version = FORMAT_VERSION if masked else UNMASKED_VERSION
+    version = VARIABLE_K_VERSION if variable_k else FORMAT_VERSION if masked else UNMASKED_VERSION
     meta = {"format_version": str(version), "codec": codec_name, "k": str(k), "vocab": str(vocab),
             "temperatures": json.dumps([float(t) for t in temperatures])}
     meta.update({key: str(value) for key, value in (identity or {}).items()})
-    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), rows, vocab)
+    padding = np.isneginf(logprobs) if variable_k else None
+    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), rows, vocab, padding)
     return {**arrays, **coded}, {**meta, **coded_meta}
 
 
@@ -131,6 +135,7 @@ class ShardReader:
         self.names = set(f.keys()) - {"meta_json"}
         self.seq_rows = f.get_tensor("seq_rows")
         self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
+        self.variable_k = int(self.meta.get("format_version", 2)) >= VARIABLE_K_VERSION  # padding entries
         self.id_codec = shard_codecs.lookup(self.codec, f"{path}: codec")
         self.temperatures = [float(t) for t in json.loads(self.meta.get("temperatures", "[]"))]
         self._offsets: dict[str, np.ndarray] = {}

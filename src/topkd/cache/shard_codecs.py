@@ -1,7 +1,10 @@
 """The shard codecs as one table: name -> the tensors it writes, how it encodes, how it decodes.
 
-    CODECS["rice-zstd"].encode(ids, logprobs, scales, rows, vocab)  -> (arrays, meta)
+    CODECS["rice-zstd"].encode(ids, logprobs, scales, rows, vocab, padding)  -> (arrays, meta)
     CODECS[name].decode(reader, j, a, e, log_mass)                  -> (ids, logprobs) in rank order
+
+padding [T, K] (format version 4, rows of variable K): those entries get the log-prob code PAD_CODE and decode
+to -inf, last in rank order, their id the row's first (never read); the rice codecs give them gap 0.
 
 Adding a codec is one class here (and its section in docs/cache-format.md, and its golden bytes in
 tests/cache/test_golden.py); shard.py and reader.py only look codecs up. The bit-level pieces
@@ -22,14 +25,16 @@ class Packed:
     name = "packed"
     tensors = frozenset({"lp_scale", "lp_codes", "ids_packed"})
 
-    def encode(self, ids, logprobs, scales, rows, vocab) -> tuple[dict, dict]:
-        return {"lp_scale": scales, "ids_packed": codec.pack_bits(ids, codec.id_bits(vocab)),
-                "lp_codes": codec.quantise_logprobs(logprobs, scales)}, {}
+    def encode(self, ids, logprobs, scales, rows, vocab, padding=None) -> tuple[dict, dict]:
+        stored = ids if padding is None else np.where(padding, 0, ids)
+        return {"lp_scale": scales, "ids_packed": codec.pack_bits(stored, codec.id_bits(vocab)),
+                "lp_codes": codec.quantise_logprobs(logprobs, scales, padding)}, {}
 
     def decode(self, reader, j: int, a: int, e: int, log_mass):
-        logprobs = codec.dequantise_logprobs(reader.rows("lp_codes", a, e), log_mass, reader.rows("lp_scale", a, e))
+        logprobs = codec.dequantise_logprobs(reader.rows("lp_codes", a, e), log_mass, reader.rows("lp_scale", a, e),
+                                             padding_allowed=reader.variable_k)
         ids = codec.unpack_bits(reader.rows("ids_packed", a, e), reader.k, codec.id_bits(int(reader.meta["vocab"])))
-        return ids, logprobs
+        return _ranked(ids, logprobs, reader.variable_k)
 
 
 class Rice:
@@ -39,23 +44,25 @@ class Rice:
     name = "rice"
     tensors = frozenset({"lp_scale", "lp_codes", "id_rem", "id_unary", "unary_offsets"})
 
-    def encode(self, ids, logprobs, scales, rows, vocab) -> tuple[dict, dict]:
-        order, gaps = codec.sorted_gaps(ids)
+    def encode(self, ids, logprobs, scales, rows, vocab, padding=None) -> tuple[dict, dict]:
+        order, gaps = codec.sorted_gaps(ids, padding)
+        sorted_padding = None if padding is None else np.take_along_axis(padding, order, axis=1)
         b = codec.best_rice_parameter(gaps)
         parts = [codec.encode_rice(gaps[a:e], b) for a, e in zip(rows, rows[1:])]  # one unary stream per sequence
         streams = [p[1] for p in parts]
         arrays = {"lp_scale": scales, "id_rem": np.concatenate([p[0] for p in parts]),
                   "id_unary": np.concatenate(streams),
                   "unary_offsets": np.concatenate([[0], np.cumsum([len(s) for s in streams])]).astype(np.int64),
-                  "lp_codes": codec.quantise_logprobs(np.take_along_axis(logprobs, order, axis=1), scales)}
+                  "lp_codes": codec.quantise_logprobs(np.take_along_axis(logprobs, order, axis=1), scales,
+                                                      sorted_padding)}
         return arrays, {"rice_b": str(b)}
 
     def decode(self, reader, j: int, a: int, e: int, log_mass):
         scales, lp_codes, remainders, unary = self.parts(reader, j, a, e)
-        logprobs = codec.dequantise_logprobs(lp_codes, log_mass, scales)
+        logprobs = codec.dequantise_logprobs(lp_codes, log_mass, scales, padding_allowed=reader.variable_k)
         ids = codec.decode_rice(remainders, unary, reader.k, int(reader.meta["rice_b"]))
         rank = np.argsort(-logprobs, axis=1, kind="stable")  # ties keep ascending id order
-        return np.take_along_axis(ids, rank, 1), np.take_along_axis(logprobs, rank, 1)
+        return _ranked(np.take_along_axis(ids, rank, 1), np.take_along_axis(logprobs, rank, 1), reader.variable_k)
 
     def parts(self, reader, j: int, a: int, e: int) -> tuple[np.ndarray, ...]:
         """(lp_scale [n], lp_codes [n, K], id_rem [n, bytes], unary stream) of sequence j, rows [a, e)."""
@@ -72,10 +79,10 @@ class RiceZstd(Rice):
     name = "rice-zstd"
     tensors = frozenset({"zstd_frames", "frame_offsets"})
 
-    def encode(self, ids, logprobs, scales, rows, vocab) -> tuple[dict, dict]:
+    def encode(self, ids, logprobs, scales, rows, vocab, padding=None) -> tuple[dict, dict]:
         import zstandard
 
-        arrays, meta = super().encode(ids, logprobs, scales, rows, vocab)
+        arrays, meta = super().encode(ids, logprobs, scales, rows, vocab, padding)
         scale, lp, rem, unary = (arrays[n] for n in ("lp_scale", "lp_codes", "id_rem", "id_unary"))
         scale, uoff = scale.astype("<f2"), arrays["unary_offsets"]
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
@@ -102,6 +109,13 @@ class RiceZstd(Rice):
                              f"{sum(sizes)}; the shard is corrupt")
         scale, lp, rem, unary = np.split(raw, np.cumsum(sizes))
         return scale.view("<f2"), lp.reshape(n, reader.k), rem.reshape(n, width), unary
+
+
+def _ranked(ids: np.ndarray, logprobs: np.ndarray, variable_k: bool):
+    """Rank order in, rank order out; padding (-inf, last) gets the row's first id, a valid id never read."""
+    if variable_k:
+        ids = np.where(np.isneginf(logprobs), ids[:, :1], ids)
+    return ids, logprobs
 
 
 CODECS = {c.name: c for c in (RiceZstd(), Rice(), Packed())}  # the first is the default
