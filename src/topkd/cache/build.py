@@ -18,10 +18,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
 from topkd import dist
 from topkd.cache import manifest as mf
 from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer, tokenizer_problems
+from topkd.cache.sampled import sampling_seed
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
@@ -33,6 +35,13 @@ from topkd.models import model_positions
 from topkd.progress import count, progress, skipped
 from topkd.signals import Interrupted
 
+TARGETS = ("topk", "sampled")
+
+
+def row_width(cfg) -> int:
+    """Entries per cached row: K for top-K targets, N (the draws: the most distinct ids a row can hold) sampled."""
+    return cfg.samples if cfg.targets == "sampled" else cfg.k
+
 
 @dataclass
 class CacheBuildConfig:
@@ -41,6 +50,8 @@ class CacheBuildConfig:
     out: str = ""
     seq_len: int = 2048
     k: int = 100
+    targets: str = "topk"
+    samples: int = 50
     temperatures: list[float] = field(default_factory=list)
     codec: str = "rice-zstd"
     seqs_per_shard: int = 64
@@ -64,6 +75,10 @@ BUILD_HELP = {
     "out": "cache directory (created; a rerun with the same arguments resumes)",
     "seq_len": "tokens per sequence (documents are packed, EOS-separated; the last sequence may be shorter)",
     "k": "top-K log-probs kept per token",
+    "targets": "topk (the teacher's K most likely ids, exact, the rest one tail bucket) | sampled (--samples N "
+               "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
+               "of the full distribution; cache format 4)",
+    "samples": "--targets sampled: draws per token (with replacement; about a quarter come out distinct)",
     "temperatures": "comma-separated T values whose normaliser c_T is stored per token (tempered bucket KD)",
     "codec": "rice-zstd (Rice-coded sorted-id gaps + uint8 log-probs, zstd per sequence; smallest) | rice | "
              "packed (ceil(log2 V) bits per id, fixed bytes per token)",
@@ -100,6 +115,13 @@ def check_config(cfg: CacheBuildConfig) -> None:
         raise ValueError(f"codec: expected one of {CODECS}, got {cfg.codec!r}")
     require_ints(cfg, ("seq_len", "k", "seqs_per_shard", "batch_size"), 1)
     require_ints(cfg, ("max_sequences",), 0)
+    if cfg.targets not in TARGETS:
+        raise ValueError(f"targets: expected one of {TARGETS}, got {cfg.targets!r}")
+    require_ints(cfg, ("samples",), 1)
+    if cfg.targets == "sampled" and (cfg.temperatures or cfg.engine != "hf"):
+        raise ValueError(f"--targets sampled: expected --engine hf and no --temperatures, got engine={cfg.engine!r} "
+                         f"temperatures={cfg.temperatures}; the draws are from the teacher at T = 1 (counts carry "
+                         "no c_T), and vLLM returns only a top-K to draw from")
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
     require_dtype(cfg.dtype)
@@ -133,7 +155,7 @@ def build(cfg: CacheBuildConfig) -> dict:
     refuse_links(cfg.out, ["shards", mf.MANIFEST, TOKENIZER_DIR])
     os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)  # only once the inputs are known to be usable
     with build_lock(cfg.out, f"{cfg.part}-{rank}"):
-        fingerprint = teacher.fingerprint(cfg.k, tuple(cfg.temperatures))
+        fingerprint = teacher.fingerprint(row_width(cfg), tuple(cfg.temperatures))
         build_info = _build_info(cfg, teacher)
         build_hash = mf.build_hash(fingerprint, build_info)
         if rank == 0 and cfg.part == 0:
@@ -175,8 +197,9 @@ def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
     template its tokenizer can render conversations with (--chat-template replaces its own)."""
     if cfg.chat_template:
         check_chat_tokenizer(teacher.tokenizer, cfg.chat_template)
-    if not 1 <= cfg.k <= teacher.vocab:
-        raise ValueError(f"k: expected 1 <= k <= vocab size {teacher.vocab}, got {cfg.k}")
+    if not 1 <= row_width(cfg) <= teacher.vocab:
+        name = "samples" if cfg.targets == "sampled" else "k"
+        raise ValueError(f"{name}: expected 1 <= {name} <= vocab size {teacher.vocab}, got {row_width(cfg)}")
     config = getattr(getattr(teacher, "model", None), "config", None)
     check_positions(getattr(config, "max_position_embeddings", None), cfg.seq_len)
 
@@ -206,11 +229,12 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
             continue
         _remove_stale_temps(cfg.out, j)
         rows = [teacher_sequence(s, r) for s, r in zip(group, teacher.sequence_rows(
-            group, cfg.k, tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update))]  # counted per batch
+            group, row_width(cfg), tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update,  # per batch
+            sampler=_sampler(cfg, teacher, build_hash, j)))]
         first = group[0].index
         identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
         arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
-                                    temperatures=tuple(cfg.temperatures))
+                                    temperatures=tuple(cfg.temperatures), variable_k=cfg.targets == "sampled")
         nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
         mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash, **shard_facts(rows, meta))
         written += nbytes
@@ -218,6 +242,14 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
                         s=f"{time.perf_counter() - start:.0f}")
     bar.close()
     return n_shards
+
+
+def _sampler(cfg: CacheBuildConfig, teacher, build_hash: str, j: int):
+    """--targets sampled: shard j's own seeded generator (a redone shard draws exactly what it drew before)."""
+    if cfg.targets != "sampled":
+        return None
+    device = getattr(getattr(teacher, "model", None), "device", torch.device("cpu"))
+    return torch.Generator(device=device).manual_seed(sampling_seed(build_hash, j))
 
 
 def _sequences(teacher, cfg: CacheBuildConfig):
@@ -283,6 +315,8 @@ def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
                                                              "text_field")}
     defaults = CacheBuildConfig()  # chat settings only when changed: plain caches keep their build hash
     keep.update({k: getattr(cfg, k) for k in ("messages_field", "train_on") if getattr(cfg, k) != getattr(defaults, k)})
+    if cfg.targets == "sampled":  # top-K caches keep their build hash
+        keep["targets"] = {"kind": "sampled", "samples": cfg.samples, "temperature": 1.0}
     if cfg.chat_template:
         keep["chat_template_sha256"] = file_sha256(cfg.chat_template)
     return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}

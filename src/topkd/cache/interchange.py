@@ -143,6 +143,9 @@ def export_axolotl(cache_dir: str, out: str) -> str:
     cache is verified first; a failure part way removes what this export wrote, so a rerun starts clean."""
     datasets = _require_datasets()
     cache = TopKCache(cache_dir)
+    if cache.targets != "topk":
+        raise ValueError(f"cache {cache_dir}: expected top-K targets for the Axolotl format, got {cache.targets} "
+                         "targets (rows of variable K, which its collator cannot pair); export a top-K cache")
     problems = cache.verify()
     if problems:
         raise mf.CacheError(f"cache {cache_dir}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if

@@ -54,6 +54,12 @@ class TopKCache:
             self._check_header(j, side)
 
     @property
+    def targets(self) -> str:
+        """topk (the teacher's K most likely ids) or sampled (--targets sampled: count / N of N draws)."""
+        kind = self.manifest["build"].get("targets", {})
+        return kind.get("kind", "topk") if isinstance(kind, dict) else "topk"
+
+    @property
     def teacher_dir(self) -> str:
         """Where the teacher that built this cache was loaded from (its fingerprint)."""
         return self.fingerprint["teacher"]

@@ -91,7 +91,7 @@ class VLLMTeacher:
                                           detokenize=False)
 
     def sequence_rows(self, sequences: list, k: int | None = None, temperatures: tuple[float, ...] = (),
-                      batch_size: int = 0, on_batch=None) -> list[dict[str, np.ndarray]]:
+                      batch_size: int = 0, on_batch=None, sampler=None) -> list[dict[str, np.ndarray]]:
         """Rows for packed sequences (topkd.data.documents.Sequence), one vLLM call for all their pieces (vLLM
         batches itself; k was fixed at construction; temperatures are refused by the build)."""
         pieces = [document_pieces(np.asarray(s.tokens), s.doc_starts) for s in sequences]

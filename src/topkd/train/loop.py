@@ -52,6 +52,7 @@ def train(cfg: TrainConfig) -> dict:
     source = open_source(cfg, device)
     check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
     check_top_k(cfg.top_k, source)
+    check_targets(cfg, source)
     if getattr(source, "counted_tokens", None) == 0:
         raise ValueError(f"cache {cfg.cache}: expected rows that count for the loss, got 0 of its {source.tokens} "
                          "tokens (chat data without assistant turns); rebuild it with --train-on all, or from "
@@ -134,6 +135,17 @@ def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg
     bar.close()
     del steps  # loader workers shut down now, not at interpreter exit
     return row
+
+
+def check_targets(cfg: TrainConfig, source) -> None:
+    """Sampled targets (count / N of N draws, no tail) make sense only for a forward divergence at T = 1."""
+    if getattr(source, "targets", "topk") != "sampled":
+        return
+    if cfg.divergence == "reverse_kl" or cfg.temperature != 1.0 or cfg.top_k:
+        raise ValueError(f"cache {cfg.cache}: sampled targets (an unbiased estimate of the teacher at T = 1, zero "
+                         f"off the drawn ids) expected --divergence kl|jsd|tvd, --temperature 1 and no --top-k, got "
+                         f"divergence={cfg.divergence} temperature={cfg.temperature} top_k={cfg.top_k}; use those, "
+                         "or a top-K cache")
 
 
 def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> None:

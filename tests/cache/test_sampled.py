@@ -1,0 +1,64 @@
+"""Sampled targets (`--targets sampled --samples N`): the distinct drawn ids with count / N (cache format 4),
+unbiased (their mean is the teacher's softmax), seeded per shard (a redone shard writes the same bytes),
+trained on as they are, refused where they make no sense."""
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import cache_config
+from topkd.cache import TopKCache, build
+from topkd.cache.sampled import distinct_counts, head_sampled
+
+
+def test_distinct_counts_by_hand():
+    draws = torch.tensor([[5, 3, 5, 9, 5, 3]])
+    ids, logprobs = distinct_counts(draws, 6)
+    assert ids.tolist() == [[5, 3, 9, 5, 5, 5]]  # count descending, then id; padding takes the first id
+    assert np.allclose(np.exp(logprobs[0, :3].numpy()), [3 / 6, 2 / 6, 1 / 6]) and np.isneginf(logprobs[0, 3:]).all()
+
+
+def test_the_targets_are_an_unbiased_estimate_of_the_teachers_softmax():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(1, 8, generator=g).expand(4000, 8), torch.randn(30, 8, generator=g)
+    rows = head_sampled(hidden, weight, None, 20, torch.Generator().manual_seed(1))
+    estimate = np.zeros(30)
+    for ids, lp in zip(rows["ids"], rows["logprobs"]):
+        real = np.isfinite(lp)
+        np.add.at(estimate, ids[real], np.exp(lp[real]))
+    exact = torch.softmax(hidden[0] @ weight.T, -1).numpy()
+    assert np.abs(estimate / 4000 - exact).max() < 0.01  # 4000 x 20 draws: the standard error is ~0.002
+    assert np.allclose(np.exp(np.where(np.isfinite(rows["logprobs"]), rows["logprobs"], -np.inf)).sum(1), 1.0)
+
+
+def _digests(root):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / "shards").glob("*"))}
+
+
+def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file, tmp_path):
+    import os
+
+    from tests.train.runs import config, losses
+    from topkd.train import train
+
+    cfg = cache_config(teacher_dir, text_file, tmp_path / "c", targets="sampled", samples=16, temperatures=[],
+                       max_sequences=12)
+    build(cfg)
+    cache = TopKCache(str(tmp_path / "c"))
+    assert cache.targets == "sampled" and cache.k == 16 and cache.manifest["format_version"] == 4
+    row = cache[0]
+    real = torch.isfinite(row["teacher_logprobs"])
+    assert (real.sum(1) >= 1).all() and (real.sum(1) < 16).any()  # rows of variable K
+    assert torch.allclose(row["teacher_logprobs"].masked_fill(~real, -torch.inf).exp().sum(1), torch.ones(1),
+                          atol=1e-5)
+    before = _digests(tmp_path / "c")
+    os.remove(tmp_path / "c" / "shards" / "shard-00001.safetensors")  # a lost shard, redone on rerun
+    build(cfg)
+    assert _digests(tmp_path / "c") == before  # the shard's own seed: the same draws, the same bytes
+    train(config(str(tmp_path / "c"), tmp_path / "run", steps=3, seq_len=24))
+    assert np.isfinite(losses(tmp_path / "run")).all()
+    with pytest.raises(ValueError, match="sampled targets .* expected --divergence kl|jsd|tvd, --temperature 1"):
+        train(config(str(tmp_path / "c"), tmp_path / "rkl", steps=1, divergence="reverse_kl"))
+    with pytest.raises(ValueError, match="--targets sampled: expected --engine hf and no --temperatures"):
+        build(cache_config(teacher_dir, text_file, tmp_path / "t", targets="sampled", temperatures=[2.0]))
