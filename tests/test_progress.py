@@ -59,3 +59,26 @@ def test_counts_read_as_a_person_writes_them():
     from topkd.progress import count
 
     assert (count(1, "shard"), count(5, "shard"), count(1774, "token")) == ("1 shard", "5 shards", "1,774 tokens")
+
+
+def test_a_bar_left_unclosed_by_an_error_stops_printing(monkeypatch, capsys):
+    """A build that raised mid-way left its timer printing into every later line of the process (a notebook,
+    the test suite): the users close their bars in finally, and a dropped bar's timer stops by itself."""
+    import gc
+
+    from topkd.progress import track
+
+    monkeypatch.setenv("TOPKD_PROGRESS_SECONDS", "0.1")
+    try:
+        for _ in track(range(5), desc="doomed"):
+            raise RuntimeError("mid-way")
+    except RuntimeError:
+        pass
+    bar = PlainProgress(total=3, desc="dropped", unit="it")
+    bar.update(1)
+    del bar
+    gc.collect()
+    time.sleep(1.3)
+    capsys.readouterr()
+    time.sleep(1.3)
+    assert capsys.readouterr().err == ""

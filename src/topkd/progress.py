@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 from tqdm import tqdm
 
@@ -35,10 +36,12 @@ def wrote(command: str, what: str) -> None:
 def track(items, desc: str, unit: str = "it", total: int | None = None):
     """Iterate items with progress (tqdm on a terminal, plain lines in a log)."""
     bar = progress(total=total if total is not None else len(items), desc=desc, unit=unit)
-    for item in items:
-        yield item
-        bar.update(1)
-    bar.close()
+    try:
+        for item in items:
+            yield item
+            bar.update(1)
+    finally:  # also when the consumer stops early or raises: no timer left printing
+        bar.close()
 
 
 def progress(total: int | None = None, desc: str = "", unit: str = "it", initial: int = 0, disable: bool = False):
@@ -67,13 +70,9 @@ class PlainProgress:
         self.start_n, self.start = initial, time.monotonic()
         self.last, self.postfix, self.printed_n = self.start, "", initial
         self._closed, self._lock = threading.Event(), threading.Lock()
-        if not silent and self.interval > 0:
-            threading.Thread(target=self._beat, name=f"progress: {desc}", daemon=True).start()
-
-    def _beat(self) -> None:
-        while not self._closed.wait(min(self.interval, 1.0)):
-            if time.monotonic() - self.last >= self.interval:
-                self._print()
+        if not silent and self.interval > 0:  # the thread holds a weak reference: a bar dropped unclosed stops it
+            threading.Thread(target=_beat, args=(weakref.ref(self), self._closed), name=f"progress: {desc}",
+                             daemon=True).start()
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -104,6 +103,16 @@ class PlainProgress:
             self.last, self.printed_n = time.monotonic(), self.n
             if not self.silent:
                 print(self.line(), file=sys.stderr, flush=True)
+
+
+def _beat(ref: "weakref.ref[PlainProgress]", closed: threading.Event) -> None:
+    """The timer: a line every interval until the bar is closed, or dropped."""
+    while not closed.wait(1.0 if (bar := ref()) is None else min(bar.interval, 1.0)):
+        if bar is None:
+            return
+        if time.monotonic() - bar.last >= bar.interval:
+            bar._print()
+        del bar
 
 
 def _duration(seconds: float) -> str:

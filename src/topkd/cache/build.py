@@ -221,26 +221,28 @@ def build_lock(out: str, who: str):
 def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int, total: int) -> int:
     bar = progress(total=total, desc=f"cache build (rank {rank})" if world > 1 else "cache build", unit="tok")
     written, start, n_shards = 0, time.perf_counter(), 0
-    for j, group in enumerate(_batched(_sequences(teacher, cfg), cfg.seqs_per_shard)):
-        n_shards = j + 1
-        tokens = sum(len(s.tokens) for s in group)
-        if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
-            skipped(bar, tokens if j % world == rank else 0)  # done before: not part of this run's rate
-            continue
-        _remove_stale_temps(cfg.out, j)
-        rows = [teacher_sequence(s, r) for s, r in zip(group, teacher.sequence_rows(
-            group, row_width(cfg), tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update,  # per batch
-            sampler=_sampler(cfg, teacher, build_hash, j)))]
-        first = group[0].index
-        identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
-        arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
-                                    temperatures=tuple(cfg.temperatures), variable_k=cfg.targets == "sampled")
-        nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
-        mf.write_sidecar(cfg.out, j, nbytes, group[0].index, len(group), tokens, build_hash, **shard_facts(rows, meta))
-        written += nbytes
-        bar.set_postfix(shards=n_shards, MB=f"{written / 1e6:.1f}", B_per_tok=f"{nbytes / tokens:.0f}",
-                        s=f"{time.perf_counter() - start:.0f}")
-    bar.close()
+    try:
+        for j, group in enumerate(_batched(_sequences(teacher, cfg), cfg.seqs_per_shard)):
+            n_shards = j + 1
+            tokens = sum(len(s.tokens) for s in group)
+            if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
+                skipped(bar, tokens if j % world == rank else 0)  # done before: not part of this run's rate
+                continue
+            _remove_stale_temps(cfg.out, j)
+            rows = [teacher_sequence(s, r) for s, r in zip(group, teacher.sequence_rows(
+                group, row_width(cfg), tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update,  # per batch
+                sampler=_sampler(cfg, teacher, build_hash, j)))]
+            first = group[0].index
+            identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
+            arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
+                                        temperatures=tuple(cfg.temperatures), variable_k=cfg.targets == "sampled")
+            nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
+            mf.write_sidecar(cfg.out, j, nbytes, first, len(group), tokens, build_hash, **shard_facts(rows, meta))
+            written += nbytes
+            bar.set_postfix(shards=n_shards, MB=f"{written / 1e6:.1f}", B_per_tok=f"{nbytes / tokens:.0f}",
+                            s=f"{time.perf_counter() - start:.0f}")
+    finally:  # an error or a signal mid-build: the bar's timer stops with it
+        bar.close()
     return n_shards
 
 

@@ -112,27 +112,29 @@ def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg
                    unit="step", disable=rank != 0)
     steps = step_loader(stream, cfg, state, workers=0 if cfg.teacher else cfg.loader_workers)
     reporter = open_reporter(cfg.report_to if rank == 0 else "none", cfg.out, asdict(cfg), state["step"])
-    with stop_requests() as stop, contextlib.closing(reporter):
-        while state["step"] < cfg.steps:
-            row = train_step(module, stream, optimizer, scheduler, cfg, state, micro=next(steps))
-            if rank == 0:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                reporter.log(row)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            GiB=f"{row['peak_gib']:.2f}")  # before update: a line printed by it shows this step
-            bar.update(1)
-            signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
-            if signum:
-                bar.close()
-                del steps
-                path = ckpt.save(cfg.out, module, optimizer, scheduler, state)
-                raise Interrupted(signum,
-                                  f"stopped at step {state['step']}; checkpoint saved to {path}; rerun the same "
-                                  "command to resume")
-            if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
-                ckpt.save(cfg.out, module, optimizer, scheduler, state)
-    bar.close()
+    try:
+        with stop_requests() as stop, contextlib.closing(reporter):
+            while state["step"] < cfg.steps:
+                row = train_step(module, stream, optimizer, scheduler, cfg, state, micro=next(steps))
+                if rank == 0:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    reporter.log(row)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                GiB=f"{row['peak_gib']:.2f}")  # before update: a line printed by it shows this step
+                bar.update(1)
+                signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
+                if signum:
+                    bar.close()
+                    del steps
+                    path = ckpt.save(cfg.out, module, optimizer, scheduler, state)
+                    raise Interrupted(signum,
+                                      f"stopped at step {state['step']}; checkpoint saved to {path}; rerun the same "
+                                      "command to resume")
+                if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
+                    ckpt.save(cfg.out, module, optimizer, scheduler, state)
+    finally:  # an error mid-run too: the bar's timer stops with it
+        bar.close()
     del steps  # loader workers shut down now, not at interpreter exit
     return row
 
