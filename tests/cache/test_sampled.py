@@ -62,3 +62,35 @@ def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file,
         train(config(str(tmp_path / "c"), tmp_path / "rkl", steps=1, divergence="reverse_kl"))
     with pytest.raises(ValueError, match="--targets sampled: expected --engine hf and no --temperatures"):
         build(cache_config(teacher_dir, text_file, tmp_path / "t", targets="sampled", temperatures=[2.0]))
+
+
+def test_adaptive_rows_keep_the_fewest_entries_reaching_the_mass_by_hand():
+    from topkd.cache.adaptive import adaptive_rows
+
+    p = np.array([[0.6, 0.3, 0.05, 0.03]])
+    rows = {"ids": np.array([[4, 9, 1, 7]]), "logprobs": np.log(p).astype(np.float32),
+            "log_mass": np.log(p.sum(1)).astype(np.float32), "log_tail": np.log([0.02]).astype(np.float32),
+            "logz": np.zeros((1, 0), np.float32), "log_mass_t": np.zeros((1, 0), np.float32)}
+    cut = adaptive_rows(rows, top_p=0.85, min_k=1)  # 0.6 < 0.85 <= 0.6 + 0.3: two entries
+    assert cut["ids"].tolist() == [[4, 9, 4, 4]] and np.isneginf(cut["logprobs"][0, 2:]).all()
+    assert np.exp(cut["log_tail"][0]) == pytest.approx(0.10, rel=1e-6)  # 0.02 + the dropped 0.05 + 0.03
+    assert np.exp(cut["log_mass"][0]) == pytest.approx(0.90, rel=1e-6)
+    assert np.isfinite(adaptive_rows(rows, top_p=0.85, min_k=3)["logprobs"][0, :3]).all()  # at least M kept
+
+
+def test_an_adaptive_cache_keeps_the_tail_exact_and_trains_tempered(teacher_dir, text_file, tmp_path):
+    from tests.train.runs import config, losses
+    from topkd.train import train
+
+    build(cache_config(teacher_dir, text_file, tmp_path / "c", targets="topp", top_p=0.9, min_k=2, k=16,
+                       max_sequences=8))
+    cache = TopKCache(str(tmp_path / "c"))
+    assert cache.targets == "topp" and cache.manifest["format_version"] == 4
+    row = cache[1]
+    real = torch.isfinite(row["teacher_logprobs"])
+    assert (real.sum(1) >= 2).all() and (real.sum(1) < 16).any()
+    head = row["teacher_logprobs"].double().masked_fill(~real, -torch.inf).exp().sum(1)
+    assert torch.allclose(head + row["log_tail"].double().exp(), torch.ones(len(head), dtype=torch.float64),
+                          atol=1e-5)  # kept mass + the stored tail: the whole distribution
+    train(config(str(tmp_path / "c"), tmp_path / "run", steps=2, seq_len=24, temperature=2.0, tail="bucket"))
+    assert np.isfinite(losses(tmp_path / "run")).all()

@@ -22,6 +22,7 @@ import torch
 
 from topkd import dist
 from topkd.cache import manifest as mf
+from topkd.cache.adaptive import adaptive_rows
 from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer, tokenizer_problems
 from topkd.cache.sampled import sampling_seed
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
@@ -35,7 +36,7 @@ from topkd.models import model_positions
 from topkd.progress import count, progress, skipped
 from topkd.signals import Interrupted
 
-TARGETS = ("topk", "sampled")
+TARGETS = ("topk", "sampled", "topp")
 
 
 def row_width(cfg) -> int:
@@ -52,6 +53,8 @@ class CacheBuildConfig:
     k: int = 100
     targets: str = "topk"
     samples: int = 50
+    top_p: float = 0.95
+    min_k: int = 1
     temperatures: list[float] = field(default_factory=list)
     codec: str = "rice-zstd"
     seqs_per_shard: int = 64
@@ -77,8 +80,11 @@ BUILD_HELP = {
     "k": "top-K log-probs kept per token",
     "targets": "topk (the teacher's K most likely ids, exact, the rest one tail bucket) | sampled (--samples N "
                "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
-               "of the full distribution; cache format 4)",
+               "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 4",
     "samples": "--targets sampled: draws per token (with replacement; about a quarter come out distinct)",
+    "top_p": "--targets topp: keep per token the fewest of the top-K entries whose mass reaches this (the rest "
+             "join the exact tail bucket)",
+    "min_k": "--targets topp: entries kept per token at least",
     "temperatures": "comma-separated T values whose normaliser c_T is stored per token (tempered bucket KD)",
     "codec": "rice-zstd (Rice-coded sorted-id gaps + uint8 log-probs, zstd per sequence; smallest) | rice | "
              "packed (ceil(log2 V) bits per id, fixed bytes per token)",
@@ -118,6 +124,9 @@ def check_config(cfg: CacheBuildConfig) -> None:
     if cfg.targets not in TARGETS:
         raise ValueError(f"targets: expected one of {TARGETS}, got {cfg.targets!r}")
     require_ints(cfg, ("samples",), 1)
+    if cfg.targets == "topp" and not (0 < cfg.top_p <= 1 and isinstance(cfg.min_k, int) and 1 <= cfg.min_k <= cfg.k):
+        raise ValueError(f"--targets topp: expected 0 < --top-p <= 1 and 1 <= --min-k <= --k, got top_p={cfg.top_p} "
+                         f"min_k={cfg.min_k} k={cfg.k}")
     if cfg.targets == "sampled" and (cfg.temperatures or cfg.engine != "hf"):
         raise ValueError(f"--targets sampled: expected --engine hf and no --temperatures, got engine={cfg.engine!r} "
                          f"temperatures={cfg.temperatures}; the draws are from the teacher at T = 1 (counts carry "
@@ -229,13 +238,13 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
                 skipped(bar, tokens if j % world == rank else 0)  # done before: not part of this run's rate
                 continue
             _remove_stale_temps(cfg.out, j)
-            rows = [teacher_sequence(s, r) for s, r in zip(group, teacher.sequence_rows(
+            rows = [teacher_sequence(s, _adapted(cfg, r)) for s, r in zip(group, teacher.sequence_rows(
                 group, row_width(cfg), tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update,  # per batch
                 sampler=_sampler(cfg, teacher, build_hash, j)))]
             first = group[0].index
             identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
             arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
-                                        temperatures=tuple(cfg.temperatures), variable_k=cfg.targets == "sampled")
+                                        temperatures=tuple(cfg.temperatures), variable_k=cfg.targets != "topk")
             nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
             mf.write_sidecar(cfg.out, j, nbytes, first, len(group), tokens, build_hash, **shard_facts(rows, meta))
             written += nbytes
@@ -244,6 +253,11 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
     finally:  # an error or a signal mid-build: the bar's timer stops with it
         bar.close()
     return n_shards
+
+
+def _adapted(cfg: CacheBuildConfig, rows: dict) -> dict:
+    """--targets topp: the rows cut to mass --top-p (topkd/cache/adaptive.py); other targets as they come."""
+    return adaptive_rows(rows, cfg.top_p, cfg.min_k, tuple(cfg.temperatures)) if cfg.targets == "topp" else rows
 
 
 def _sampler(cfg: CacheBuildConfig, teacher, build_hash: str, j: int):
@@ -319,6 +333,8 @@ def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
     keep.update({k: getattr(cfg, k) for k in ("messages_field", "train_on") if getattr(cfg, k) != getattr(defaults, k)})
     if cfg.targets == "sampled":  # top-K caches keep their build hash
         keep["targets"] = {"kind": "sampled", "samples": cfg.samples, "temperature": 1.0}
+    if cfg.targets == "topp":
+        keep["targets"] = {"kind": "topp", "top_p": cfg.top_p, "min_k": cfg.min_k}
     if cfg.chat_template:
         keep["chat_template_sha256"] = file_sha256(cfg.chat_template)
     return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}
