@@ -215,3 +215,26 @@ def test_a_dataset_written_one_position_shifted_is_refused():
     shifted = {**right, "target_token_ids": [[t, 1 if t != 1 else 2] for t in tokens]}
     with pytest.raises(ValueError, match="top-1 is token j itself in 100% .*written one position shifted"):
         check_alignment([imported_sequence(shifted, 0, vocab=10)])
+
+
+def test_rows_padded_with_minus_inf_import_as_rows_of_variable_k(teacher_dir, tmp_path):
+    """Axolotl pads a position's top-K with -inf (ids range(K), colliding with real ids): since the loss takes
+    such padding, import writes it as cache format 4 instead of failing on the repeated id."""
+    from transformers import AutoTokenizer
+
+    from topkd.cache.interchange import _write_imported
+    from topkd.cache.manifest import build_hash
+    from topkd.cache.teacher import fingerprint
+
+    row = {"input_ids": [5, 6, 7], "target_token_ids": [[3, 3], [4, 0], [5, 6]],
+           "target_logprobs": [[-1.0, -np.inf], [-0.5, -np.inf], [-0.5, -3.0]], "target_mask": [[1, 1]] * 3}
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    fp = fingerprint(source="imported:x", weights_sha256="unknown", config_sha256="unknown", tokenizer=tok,
+                     dtype="unknown", vocab=1000, k=2, temperatures=(), engine="import axolotl")
+    build = {"data": [], "seq_len": 3, "codec": "rice-zstd", "separator": None, "tail": "unknown"}
+    _write_imported([imported_sequence(row, 0, vocab=1000)], str(tmp_path / "c"), fp, build, build_hash(fp, build),
+                    tok)
+    cache = TopKCache(str(tmp_path / "c"))
+    got = cache[0]
+    assert cache.manifest["format_version"] == 4 and cache.verify() == []
+    assert got["teacher_ids"][:2, 0].tolist() == [3, 4] and torch.isneginf(got["teacher_logprobs"][:2, 1]).all()

@@ -320,11 +320,12 @@ def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: i
 def _write_imported(seqs: list[TeacherSequence], out: str, fp: dict, build: dict, build_hash: str,
                     tokenizer) -> dict:
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
+    variable_k = any(bool(np.isneginf(s.logprobs).any()) for s in seqs)  # rows Axolotl padded (-inf): format 4
     sidecars = []
     for j, first in enumerate(range(0, len(seqs), SEQS_PER_SHARD)):
         group = seqs[first:first + SEQS_PER_SHARD]
         identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
-        arrays, meta = encode_shard(group, vocab=fp["vocab_size"], identity=identity)
+        arrays, meta = encode_shard(group, vocab=fp["vocab_size"], identity=identity, variable_k=variable_k)
         nbytes = write_shard(mf.shard_path(out, j), arrays, meta)
         sidecars.append(mf.write_sidecar(out, j, nbytes, first, len(group), sum(len(s) for s in group), build_hash,
                                          **shard_facts(group, meta)))
