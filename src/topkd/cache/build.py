@@ -9,8 +9,6 @@ The manifest is written last by rank 0; a cache without it is refused by the rea
 """
 from __future__ import annotations
 
-import contextlib
-import glob
 import itertools
 import os
 import signal
@@ -23,7 +21,8 @@ import torch
 from topkd import dist
 from topkd.cache import manifest as mf
 from topkd.cache.adaptive import adaptive_rows
-from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer, tokenizer_problems
+from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer
+from topkd.cache.repair import check_or_repair, finished, remove_stale_temps
 from topkd.cache.sampled import sampling_seed
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
@@ -168,9 +167,9 @@ def build(cfg: CacheBuildConfig) -> dict:
         build_info = _build_info(cfg, teacher)
         build_hash = mf.build_hash(fingerprint, build_info)
         if rank == 0 and cfg.part == 0:
-            _check_or_repair(cfg.out, build_hash)  # leaves manifest.json only when complete and verified
+            check_or_repair(cfg.out, build_hash)  # leaves manifest.json only when complete and verified
         dist.barrier()
-        existing = _finished(cfg.out, build_hash)
+        existing = finished(cfg.out, build_hash)
         if existing is not None:
             done = existing["totals"]
             print(f"cache build: {cfg.out} is already complete and verified ({count(done['shards'], 'shard')}, "
@@ -237,7 +236,7 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
             if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
                 skipped(bar, tokens if j % world == rank else 0)  # done before: not part of this run's rate
                 continue
-            _remove_stale_temps(cfg.out, j)
+            remove_stale_temps(cfg.out, j)
             rows = [teacher_sequence(s, _adapted(cfg, r)) for s, r in zip(group, teacher.sequence_rows(
                 group, row_width(cfg), tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update,  # per batch
                 sampler=_sampler(cfg, teacher, build_hash, j)))]
@@ -338,70 +337,3 @@ def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
     if cfg.chat_template:
         keep["chat_template_sha256"] = file_sha256(cfg.chat_template)
     return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}
-
-
-def _remove_stale_temps(out: str, j: int) -> None:
-    """Temp files of shard j left by a killed run (never renamed, so never trusted); a live process's are kept."""
-    for path in (mf.shard_path(out, j), mf.sidecar_path(out, j)):
-        for stale in glob.glob(path + ".tmp-*"):
-            pid = stale.rsplit("-", 1)[-1]
-            if not (pid.isdigit() and _alive(int(pid))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(stale)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid != os.getpid()
-
-
-def _finished(root: str, build_hash: str) -> dict | None:
-    """The manifest if this exact build finished; a different finished build is refused."""
-    if not os.path.exists(os.path.join(root, mf.MANIFEST)):
-        return None
-    manifest = mf.load_manifest(root)
-    _refuse_another_build(manifest, root, build_hash)
-    return manifest
-
-
-def _refuse_another_build(manifest: dict, root: str, build_hash: str) -> None:
-    if manifest["build_hash"] != build_hash:
-        raise mf.CacheError(f"{root} holds a finished cache from a different build (teacher, data or settings "
-                            "differ); use a new --out directory, or delete it to rebuild")
-
-
-def _check_or_repair(root: str, build_hash: str) -> None:
-    """A finished cache of this build whose every shard verifies is left as it is. A different finished build is
-    refused; a damaged manifest, stored tokenizer, or a deleted, truncated, corrupt or swapped shard, is set up
-    for repair (the bad files and the manifest removed), so the build redoes just those shards."""
-    path = os.path.join(root, mf.MANIFEST)
-    if not os.path.exists(path):
-        return
-    try:
-        manifest = mf.load_manifest(root)
-    except mf.CacheError as e:
-        print(f"cache build: {e}; repairing: the manifest is rewritten from the verified shards", flush=True)
-        os.remove(path)
-        return
-    _refuse_another_build(manifest, root, build_hash)
-    damaged_tokenizer = tokenizer_problems(root, manifest)
-    if damaged_tokenizer:
-        print(f"cache build: {damaged_tokenizer[0]}; repairing: the tokenizer and the manifest are rewritten",
-              flush=True)
-        os.remove(path)
-    bad = [j for j in range(len(manifest["shards"])) if mf.done_shard(root, j, build_hash, foreign="redo") is None]
-    if not bad:
-        return
-    print(f"cache build: {len(bad)} shard(s) of {root} are missing or damaged ({', '.join(map(str, bad[:10]))}); "
-          "repairing: redoing them", flush=True)
-    for j in bad:
-        for stale in (mf.shard_path(root, j), mf.sidecar_path(root, j)):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(stale)
-    with contextlib.suppress(FileNotFoundError):  # already gone when the tokenizer was damaged too
-        os.remove(path)
