@@ -87,7 +87,21 @@ def judge_cache(summary: dict, directory: str = "") -> list[dict]:
                    rice["bytes_per_token"] <= 250),
             target("mean decode KL < 1e-3 nats", n, rice["kl_bucket_mean"], 1e-3, rice["kl_bucket_mean"] < 1e-3),
             target("top-K extraction + encode + write <= 10% of teacher forward", n, overhead, 0.10,
-                   overhead <= 0.10)]
+                   overhead <= 0.10)] + _judge_target_arms(summary.get("targets", {}))
+
+
+def _judge_target_arms(arms: dict) -> list[dict]:
+    """Issue 25 on the arms of `topkd bench cache --targets`: sampled N=50 <= 40 B/token, every arm's decode
+    >= 200K tokens/s in one process (one loader worker must feed an H200 training a 135M student)."""
+    out = []
+    for name, arm in arms.items():
+        n = arm["tokens"]
+        if arm["targets"] == "sampled" and arm.get("samples") == 50:
+            out.append(target("sampled N=50 <= 40 bytes/token", n, arm["bytes_per_token"], 40,
+                              arm["bytes_per_token"] <= 40))
+        out.append(target(f"{name} decode >= 200K tokens/s", n, arm["decode_tokens_per_s"], 2e5,
+                          arm["decode_tokens_per_s"] >= 2e5))
+    return out
 
 
 def judge_model(summary: dict, directory: str = "") -> list[dict]:

@@ -92,3 +92,14 @@ def test_stored_results_still_judge():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = judge_directory(os.path.join(root, "benchmarks", "results", "loss-cpu-gpu-driver"))
     assert rows and all(t["pass"] for t in rows)
+
+
+def test_cache_target_arms_are_judged():
+    from benchmarks.targets import _judge_target_arms
+
+    arms = {"sampled N=50": {"targets": "sampled", "samples": 50, "tokens": 10, "bytes_per_token": 41.0,
+                             "decode_tokens_per_s": 3e5},
+            "top-100": {"targets": "topk", "tokens": 10, "bytes_per_token": 216.0, "decode_tokens_per_s": 1.5e5}}
+    verdicts = {t["target"]: t["pass"] for t in _judge_target_arms(arms)}
+    assert verdicts == {"sampled N=50 <= 40 bytes/token": False, "sampled N=50 decode >= 200K tokens/s": True,
+                        "top-100 decode >= 200K tokens/s": False}

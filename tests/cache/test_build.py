@@ -97,10 +97,12 @@ def _shard_digests(root):
     return [(s["file"], s["sha256"], s["bytes"]) for s in manifest["shards"]]
 
 
-def test_resume_after_a_real_kill_gives_identical_bytes(teacher_dir, long_text, tmp_path):
+@pytest.mark.parametrize("targets", [(), ("--targets", "sampled", "--samples", "16")], ids=["topk", "sampled"])
+def test_resume_after_a_real_kill_gives_identical_bytes(teacher_dir, long_text, tmp_path, targets):
+    """A sampled build too: each shard draws from its own seeded generator, so the redone shards' draws match."""
     ref, killed = tmp_path / "ref", tmp_path / "killed"
-    subprocess.run(_cli(ref, teacher_dir, long_text), env=SUBPROCESS_ENV, check=True, capture_output=True)
-    proc = subprocess.Popen(_cli(killed, teacher_dir, long_text), env=SUBPROCESS_ENV,
+    subprocess.run(_cli(ref, teacher_dir, long_text, *targets), env=SUBPROCESS_ENV, check=True, capture_output=True)
+    proc = subprocess.Popen(_cli(killed, teacher_dir, long_text, *targets), env=SUBPROCESS_ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -113,7 +115,8 @@ def test_resume_after_a_real_kill_gives_identical_bytes(teacher_dir, long_text, 
     assert not (killed / "manifest.json").exists(), "the build finished before the kill: make the data larger"
     with pytest.raises(CacheError, match="missing"):
         TopKCache(str(killed))
-    subprocess.run(_cli(killed, teacher_dir, long_text), env=SUBPROCESS_ENV, check=True, capture_output=True)
+    subprocess.run(_cli(killed, teacher_dir, long_text, *targets), env=SUBPROCESS_ENV, check=True,
+                   capture_output=True)
     assert _shard_digests(killed) == _shard_digests(ref)
     assert not list((killed / "shards").glob("*.tmp-*"))
 

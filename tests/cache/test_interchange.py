@@ -236,5 +236,5 @@ def test_rows_padded_with_minus_inf_import_as_rows_of_variable_k(teacher_dir, tm
                     tok)
     cache = TopKCache(str(tmp_path / "c"))
     got = cache[0]
-    assert cache.manifest["format_version"] == 4 and cache.verify() == []
+    assert cache.manifest["format_version"] == 5 and cache.verify() == []
     assert got["teacher_ids"][:2, 0].tolist() == [3, 4] and torch.isneginf(got["teacher_logprobs"][:2, 1]).all()

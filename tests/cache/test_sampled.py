@@ -1,6 +1,6 @@
-"""Sampled targets (`--targets sampled --samples N`): the distinct drawn ids with count / N (cache format 4),
-unbiased (their mean is the teacher's softmax), seeded per shard (a redone shard writes the same bytes),
-trained on as they are, refused where they make no sense."""
+"""Sampled targets (`--targets sampled --samples N`): the distinct drawn ids with count / N (cache format 5,
+stored as counts), unbiased (their mean is the teacher's softmax), seeded per shard (a redone shard writes the
+same bytes), trained on as they are, refused where they make no sense."""
 import hashlib
 
 import numpy as np
@@ -46,7 +46,7 @@ def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file,
                        max_sequences=12)
     build(cfg)
     cache = TopKCache(str(tmp_path / "c"))
-    assert cache.targets == "sampled" and cache.k == 16 and cache.manifest["format_version"] == 4
+    assert cache.targets == "sampled" and cache.k == 16 and cache.manifest["format_version"] == 5
     row = cache[0]
     real = torch.isfinite(row["teacher_logprobs"])
     assert (real.sum(1) >= 1).all() and (real.sum(1) < 16).any()  # rows of variable K
@@ -85,7 +85,7 @@ def test_an_adaptive_cache_keeps_the_tail_exact_and_trains_tempered(teacher_dir,
     build(cache_config(teacher_dir, text_file, tmp_path / "c", targets="topp", top_p=0.9, min_k=2, k=16,
                        max_sequences=8))
     cache = TopKCache(str(tmp_path / "c"))
-    assert cache.targets == "topp" and cache.manifest["format_version"] == 4
+    assert cache.targets == "topp" and cache.manifest["format_version"] == 5
     row = cache[1]
     real = torch.isfinite(row["teacher_logprobs"])
     assert (real.sum(1) >= 2).all() and (real.sum(1) < 16).any()

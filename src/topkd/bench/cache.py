@@ -8,13 +8,17 @@ timed interleaved per batch, with the head's GEMM timed alone so that the extrac
 (head minus GEMM, plus encode and write) is a ratio to the forward; (2) size: each codec's shard
 bytes per token, by part, against the
 naive layout (int32 ids + fp16 log-probs = 6K bytes) and the empirical entropy of the id gaps;
-(3) fidelity: KL(exact || decoded) per token for the bucket (K+1) and renormalised teacher.
+(3) fidelity: KL(exact || decoded) per token for the bucket (K+1) and renormalised teacher; (4) targets: for
+each of --targets (topk, sampled --samples N, topp --top-p P --min-k M), a cache built by `topkd cache build`
+over the same sequences (default codec), its bytes/token and real entries/token, build time, and the decode
+speed of reading it back whole in this process (checksums off: the decode alone).
 """
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -22,7 +26,8 @@ import numpy as np
 import torch
 
 from topkd.cache import codec
-from topkd.cache.build import teacher_sequence
+from topkd.cache.build import CacheBuildConfig, build, teacher_sequence
+from topkd.cache.reader import TopKCache
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
@@ -41,6 +46,10 @@ class CacheBenchConfig:
     batch_size: int = 4
     temperatures: list[float] = field(default_factory=lambda: [2.0])
     dtype: str = "float32"
+    targets: list[str] = field(default_factory=lambda: ["topk", "sampled", "topp"])
+    samples: int = 50
+    top_p: float = 0.95
+    min_k: int = 4
 
 
 CACHE_BENCH_HELP = {
@@ -48,10 +57,17 @@ CACHE_BENCH_HELP = {
     "out": "output directory (cache.json, report.txt)", "seq_len": "tokens per sequence",
     "k": "top-K", "sequences": "sequences measured", "batch_size": "sequences per teacher forward",
     "temperatures": "c_T stored for these T (part of the measured bytes)", "dtype": "teacher dtype",
+    "targets": "caches built and read back for bytes/token and decode speed (topk, sampled, topp; none: skip)",
+    "samples": "sampled arm: draws per token", "top_p": "topp arm: mass kept per token",
+    "min_k": "topp arm: entries kept per token at least",
 }
+TARGET_ARMS = ("topk", "sampled", "topp")
 
 
 def run_cache_bench(cfg: CacheBenchConfig) -> dict:
+    unknown = [kind for kind in cfg.targets if kind not in (*TARGET_ARMS, "none")]
+    if unknown:  # before the teacher loads
+        raise ValueError(f"targets: expected some of {TARGET_ARMS} (or none), got {unknown}")
     teacher = load_teacher(cfg.teacher, cfg.dtype)
     seqs = list(itertools.islice(pack_sequences(iter_documents(cfg.data, teacher.tokenizer), cfg.seq_len,
                                                 teacher.tokenizer.eos_token_id), cfg.sequences))
@@ -65,6 +81,7 @@ def run_cache_bench(cfg: CacheBenchConfig) -> dict:
         result["codecs"][name] = _size_and_fidelity(exact, teacher.vocab, name, cfg.out, tuple(cfg.temperatures))
     result["id_gap_entropy_bits"] = _gap_entropy(exact)
     result["naive_bytes_per_token"] = 6 * cfg.k
+    result["targets"] = {_arm_name(cfg, kind): _measure_targets(cfg, kind) for kind in cfg.targets if kind != "none"}
     report = _report(result)
     print(report)
     with open(os.path.join(cfg.out, "report.txt"), "w") as f:
@@ -130,6 +147,32 @@ def _encode_write(batch, per_seq, vocab, out, temperatures) -> None:
     write_shard(os.path.join(out, "timing.safetensors"), arrays, meta)
 
 
+def _arm_name(cfg: CacheBenchConfig, kind: str) -> str:
+    return {"topk": f"top-{cfg.k}", "sampled": f"sampled N={cfg.samples}", "topp": f"top-p {cfg.top_p}"}[kind]
+
+
+def _measure_targets(cfg: CacheBenchConfig, kind: str) -> dict:
+    """One arm: `topkd cache build` over the bench's sequences (no stored temperature), then every sequence read
+    back through TopKCache in this process; the cache is removed after."""
+    out = os.path.join(cfg.out, f"targets-{kind}")
+    shutil.rmtree(out, ignore_errors=True)
+    options = {"sampled": {"samples": cfg.samples}, "topp": {"top_p": cfg.top_p, "min_k": cfg.min_k}}.get(kind, {})
+    start = time.perf_counter()
+    manifest = build(CacheBuildConfig(teacher=cfg.teacher, data=cfg.data, out=out, seq_len=cfg.seq_len, k=cfg.k,
+                                      max_sequences=cfg.sequences, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                                      targets=kind, **options))
+    built = time.perf_counter() - start
+    cache = TopKCache(out, verify_reads=False)
+    start = time.perf_counter()
+    real = sum(int(torch.isfinite(cache[i]["teacher_logprobs"]).sum()) for i in range(len(cache)))
+    decode = time.perf_counter() - start
+    shutil.rmtree(out)
+    tokens = manifest["totals"]["tokens"]
+    return {"targets": kind, **options, "format_version": manifest["format_version"], "tokens": tokens,
+            "bytes_per_token": manifest["totals"]["bytes_per_token"], "real_entries_per_token": real / tokens,
+            "build_s": built, "decode_tokens_per_s": tokens / decode}
+
+
 def _size_and_fidelity(exact, vocab: int, name: str, out: str, temperatures: tuple[float, ...]) -> dict:
     arrays, meta = encode_shard(exact, vocab=vocab, codec_name=name, temperatures=temperatures)
     path = os.path.join(out, f"sample-{name}.safetensors")
@@ -191,4 +234,8 @@ def _report(r: dict) -> str:
         lines.append(f"{name:<7} {c['bytes_per_token']:7.1f} B/token (b={c['rice_b']})  KL bucket mean "
                      f"{c['kl_bucket_mean']:.2e} max {c['kl_bucket_max']:.2e}, renorm mean {c['kl_renorm_mean']:.2e} "
                      f"max {c['kl_renorm_max']:.2e}\n        parts B/token: {parts}")
+    for name, a in r.get("targets", {}).items():
+        lines.append(f"targets {name:<14} {a['bytes_per_token']:6.1f} B/token  {a['real_entries_per_token']:5.1f} "
+                     f"entries/token  format v{a['format_version']}  build {a['build_s']:6.1f} s  decode "
+                     f"{a['decode_tokens_per_s'] / 1e3:6.1f}K tokens/s")
     return "\n".join(lines)

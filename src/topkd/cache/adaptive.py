@@ -4,7 +4,7 @@ teacher's top-K entries whose mass reaches P (at least M, at most K); the rest j
     rows = adaptive_rows(head_topk_rows, top_p=0.95, min_k=4, temperatures=(2.0,))
 
 A peaked position keeps a handful of ids and a flat one up to K, so bytes follow the teacher's entropy. Kept
-entries are unchanged; the dropped ones become padding (cache format 4, log-prob -inf) and their mass is added
+entries are unchanged; the dropped ones become padding (log-prob -inf; cache format 5) and their mass is added
 to the stored tail (log_tail), so the bucket loss still sees the whole distribution in K + 1 outcomes; the
 exact tempered head mass (log_mass_t) is recomputed over the kept entries from the stored c_T.
 """

@@ -79,7 +79,7 @@ BUILD_HELP = {
     "k": "top-K log-probs kept per token",
     "targets": "topk (the teacher's K most likely ids, exact, the rest one tail bucket) | sampled (--samples N "
                "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
-               "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 4",
+               "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 5",
     "samples": "--targets sampled: draws per token (with replacement; about a quarter come out distinct)",
     "top_p": "--targets topp: keep per token the fewest of the top-K entries whose mass reaches this (the rest "
              "join the exact tail bucket)",
@@ -243,7 +243,8 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
             first = group[0].index
             identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
             arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
-                                        temperatures=tuple(cfg.temperatures), variable_k=cfg.targets != "topk")
+                                        temperatures=tuple(cfg.temperatures), variable_k=cfg.targets != "topk",
+                                        samples=cfg.samples if cfg.targets == "sampled" else None)
             nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
             mf.write_sidecar(cfg.out, j, nbytes, first, len(group), tokens, build_hash, **shard_facts(rows, meta))
             written += nbytes

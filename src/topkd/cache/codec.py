@@ -53,6 +53,8 @@ def unpack_bits(packed: np.ndarray, k: int, width: int) -> np.ndarray:
     """Inverse of pack_bits: [T, ceil(K width / 8)] uint8 -> [T, K] int64."""
     if width == 0:
         return np.zeros((packed.shape[0], k), dtype=np.int64)
+    if width in (8, 16):  # whole bytes: the little-endian bit order is the little-endian byte order
+        return np.ascontiguousarray(packed).view("<u1" if width == 8 else "<u2")[:, :k].astype(np.int64)
     bits = np.unpackbits(packed, axis=1, count=k * width, bitorder="little").reshape(packed.shape[0], k, width)
     weights = (np.int64(1) << np.arange(width, dtype=np.int64))
     return bits.astype(np.int64) @ weights
@@ -166,3 +168,69 @@ def dequantise_logprobs(codes: np.ndarray, log_mass: np.ndarray, scales: np.ndar
     neg_d = -_UNIT_DEPTH_PAD[codes] * s
     shift = np.log(np.exp(neg_d).sum(axis=1, keepdims=True))  # max entry is 0, so no overflow
     return (neg_d - shift + log_mass.astype(np.float64)[:, None]).astype(np.float32)
+
+
+# Format version 5 (rows of variable K stored ragged, codec rice-zstd): each row holds only its real entries.
+RAGGED_POSITIONS = 8  # a gap's Rice context: its row width's bit length and its relative place in the row, in eighths
+
+
+def bit_length(values: np.ndarray) -> np.ndarray:
+    """Elementwise int.bit_length of non-negative ints < 2^62."""
+    return np.searchsorted(np.int64(1) << np.arange(63, dtype=np.int64), values, side="right")
+
+
+def ragged_positions(widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of these widths flattened in row order -> (row of each entry, index of each entry in its row)."""
+    widths = widths.astype(np.int64)
+    row = np.repeat(np.arange(widths.size), widths)
+    return row, np.arange(row.size) - np.repeat(np.cumsum(widths) - widths, widths)
+
+
+def gap_contexts(widths: np.ndarray) -> np.ndarray:
+    """The Rice context of each entry of ragged rows: RAGGED_POSITIONS * bitlen(k) + RAGGED_POSITIONS i // k.
+    Gaps early in a row (frequent tokens have low ids) are shorter than late ones, and narrow rows' gaps are long:
+    one Rice parameter per context is ~13% smaller than one per shard on sampled SmolLM2 rows."""
+    row, i = ragged_positions(widths)
+    k = widths.astype(np.int64)[row]
+    return bit_length(k) * RAGGED_POSITIONS + (RAGGED_POSITIONS * i) // np.maximum(k, 1)
+
+
+def context_count(max_width: int) -> int:
+    return (int(max_width).bit_length() + 1) * RAGGED_POSITIONS
+
+
+def best_context_parameters(gaps: np.ndarray, contexts: np.ndarray, n_contexts: int) -> list[int]:
+    """The Rice parameter of each context minimising its exact coded size (0 for contexts never seen)."""
+    return [best_rice_parameter(gaps[contexts == c]) for c in range(n_contexts)]
+
+
+def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """1-D non-negative ints, value i in widths[i] bits -> one little-endian bit stream, zero padded to a byte."""
+    owner, bit = ragged_positions(widths)
+    return np.packbits(((values.astype(np.int64)[owner] >> bit) & 1).astype(np.uint8), bitorder="little")
+
+
+def unpack_varwidth(stream: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Inverse of pack_varwidth: int64 values."""
+    total = int(widths.sum())
+    if stream.size * 8 < total:
+        raise ValueError(f"remainder stream: expected {total} bits, got {stream.size * 8}; the shard is corrupt")
+    owner, bit = ragged_positions(widths)
+    bits = np.unpackbits(stream, count=total, bitorder="little").astype(np.int64)
+    return np.bincount(owner, weights=bits << bit, minlength=widths.size).astype(np.int64)
+
+
+def encode_rice_ragged(gaps: np.ndarray, widths: np.ndarray, parameters: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Flat gaps of ragged rows -> (low bits at each context's width, one bit stream; high parts in unary)."""
+    b = np.asarray(parameters, dtype=np.int64)[gap_contexts(widths)]
+    return pack_varwidth(gaps & ((np.int64(1) << b) - 1), b), encode_unary(gaps >> b)
+
+
+def decode_rice_ragged(remainders: np.ndarray, stream: np.ndarray, widths: np.ndarray,
+                       parameters: list[int]) -> np.ndarray:
+    """Inverse of encode_rice_ragged: the flat ascending ids of each row, row after row."""
+    b = np.asarray(parameters, dtype=np.int64)[gap_contexts(widths)]
+    gaps = (decode_unary(stream, int(widths.sum())) << b) | unpack_varwidth(remainders, b)
+    ends = np.concatenate([[0], np.cumsum(gaps + 1)])
+    starts = np.cumsum(widths.astype(np.int64)) - widths
+    return ends[1:] - np.repeat(ends[starts], widths) - 1

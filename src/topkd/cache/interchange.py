@@ -320,7 +320,7 @@ def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: i
 def _write_imported(seqs: list[TeacherSequence], out: str, fp: dict, build: dict, build_hash: str,
                     tokenizer) -> dict:
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
-    variable_k = any(bool(np.isneginf(s.logprobs).any()) for s in seqs)  # rows Axolotl padded (-inf): format 4
+    variable_k = any(bool(np.isneginf(s.logprobs).any()) for s in seqs)  # rows Axolotl padded (-inf): format 5
     sidecars = []
     for j, first in enumerate(range(0, len(seqs), SEQS_PER_SHARD)):
         group = seqs[first:first + SEQS_PER_SHARD]

@@ -20,15 +20,12 @@ from safetensors import SafetensorError
 
 from topkd.cache import manifest as mf
 from topkd.cache.compat import check_student_fits, load_teacher_tokenizer, tokenizer_problems
-from topkd.cache.shard import ShardReader, read_row_counts
+from topkd.cache.shard import ShardReader, expected_tensors, read_row_counts
 from topkd.data import dataset
 
-SHARD_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "seq_rows", "seq_source",
-                 "seq_token_offset", "doc_starts"}
 OPEN_SHARDS = 64
 ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "lp_codes", "id_rem",
                "ids_packed", "row_mask"}  # one row per token
-VERSION_TENSORS = {2: set(), 3: {"row_mask"}, 4: {"row_mask"}}  # what each format version adds to every shard
 
 
 class TopKCache:
@@ -106,7 +103,7 @@ class TopKCache:
             raise mf.CacheError(f"cache {self.path}: {problem or side['file'] + ': stored temperatures differ'}; "
                                 "it does not belong here: delete it and its .json sidecar and rerun the build "
                                 "command to redo it")
-        expected = SHARD_TENSORS | shard.id_codec.tensors | VERSION_TENSORS[int(side["format_version"])]
+        expected = expected_tensors(shard.meta, shard.id_codec.tensors)
         n_seq = side["sequences"][1] - side["sequences"][0]
         if shard.names != expected or len(shard) != n_seq or shard.k != self.k \
                 or int(shard.meta.get("vocab", -1)) != self.vocab_size:

@@ -3,12 +3,12 @@
     rows = head_sampled(hidden, weight, bias, n=50, generator=g)   # per token: the distinct drawn ids, count / N
 
 Per position, N draws with replacement from the teacher's full softmax (T = 1); the row keeps the distinct ids
-drawn (about 12 of 50 for a 135M teacher) with probability count / N, in rank order (count descending, then
-id), and padding (log-prob -inf) up to width N: cache format version 4. The targets sum to 1 over the full
-vocabulary and their expectation is the teacher's distribution, so KL to them is an unbiased estimate of the
-full-vocabulary KD gradient (Anshumann et al., "Sparse Logit Sampling", ACL 2025), where top-K targets are
-biased towards the head. The draws come from one seeded generator per shard (sampling_seed), consumed in the
-shard's own order, so a rerun or a resumed build writes the same bytes.
+drawn (about 22 of 50 for SmolLM2-135M on Hamlet) with probability count / N, in rank order (count descending,
+then id), and padding (log-prob -inf) up to width N; stored ragged as the counts (cache format 5). The targets
+sum to 1 over the full vocabulary and their expectation is the teacher's distribution, so KL to them is an
+unbiased estimate of the full-vocabulary KD gradient (Anshumann et al., "Sparse Logit Sampling", ACL 2025),
+where top-K targets are biased towards the head. The draws come from one seeded generator per shard
+(sampling_seed), consumed in the shard's own order, so a rerun or a resumed build writes the same bytes.
 """
 from __future__ import annotations
 

@@ -22,7 +22,10 @@ from topkd.files import write_atomic
 FORMAT_VERSION = 3  # 3: a per-row loss mask (row_mask, chat data); 2: per-token compander scale, exact tempered
 UNMASKED_VERSION = 2  # head mass, shard identity in meta_json. A shard without row_mask is written as version 2,
 VARIABLE_K_VERSION = 4  # byte for byte as before. 4: rows of variable K (sampled targets): version 3 plus padding
-READABLE_VERSIONS = (2, 3, 4)  # entries (log-prob code 255, decoded -inf); version-2 and 3 caches still open
+RAGGED_VERSION = 5  # entries (log-prob code 255, decoded -inf). 5: rows of variable K stored ragged (rice-zstd:
+READABLE_VERSIONS = (2, 3, 4, 5)  # cache/ragged.py), sampled targets as draw counts; earlier versions still open
+BASE_TENSORS = frozenset({"input_ids", "seq_rows", "seq_source", "seq_token_offset", "doc_starts"})
+SCALAR_TENSORS = frozenset({"log_mass", "log_tail", "logz", "log_mass_t"})  # implied by draw counts (version 5)
 CODECS = tuple(shard_codecs.CODECS)  # names; the first is the default
 
 
@@ -49,12 +52,13 @@ class TeacherSequence:
 
 def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "rice-zstd",
                  identity: dict | None = None, temperatures: tuple[float, ...] = (),
-                 variable_k: bool = False) -> tuple[dict, dict]:
+                 variable_k: bool = False, samples: int | None = None) -> tuple[dict, dict]:
     """Sequences -> (tensor name -> numpy array, string metadata) for one shard.
 
     identity (build_hash, shard, sequences) goes into the checksummed bytes, so a shard moved in from
     another cache or position is refused by the reader; temperatures name the columns of logz.
-    variable_k (sampled targets): entries with log-prob -inf are padding, written as version 4."""
+    variable_k: entries with log-prob -inf are padding: version 5 (ragged) with rice-zstd, else version 4;
+    samples (sampled targets): the log-probs are log(count / samples); version 5 stores the counts."""
     id_codec = shard_codecs.lookup(codec_name)
     if not seqs:
         raise ValueError("a shard needs at least one sequence, got none")
@@ -76,17 +80,38 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "
         "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
         "doc_starts": np.concatenate([s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]),
     }
-    masked = variable_k or any(s.row_mask is not None for s in seqs)
+    ragged = variable_k and id_codec.stores_ragged
+    masked = any(s.row_mask is not None for s in seqs) or (variable_k and not ragged)
     if masked:  # version 3: which rows count (1) and which are context only (0)
         arrays["row_mask"] = np.concatenate([np.ones(len(s), bool) if s.row_mask is None else s.row_mask
                                              for s in seqs]).astype(np.uint8)
-    version = VARIABLE_K_VERSION if variable_k else FORMAT_VERSION if masked else UNMASKED_VERSION
+    version = RAGGED_VERSION if ragged else VARIABLE_K_VERSION if variable_k else \
+        FORMAT_VERSION if masked else UNMASKED_VERSION
     meta = {"format_version": str(version), "codec": codec_name, "k": str(k), "vocab": str(vocab),
             "temperatures": json.dumps([float(t) for t in temperatures])}
+    if ragged:
+        meta["masked"] = "1" if masked else "0"
     meta.update({key: str(value) for key, value in (identity or {}).items()})
     padding = np.isneginf(logprobs) if variable_k else None
-    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), rows, vocab, padding)
+    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), rows, vocab, padding,
+                                        samples if ragged else None, ragged)
+    if ragged:  # version 5: small vocabularies' input ids in 2 bytes; draw counts imply the per-row scalars
+        arrays["input_ids"] = arrays["input_ids"].astype(np.uint16 if vocab <= 2**16 else np.int32)
+        if samples:
+            arrays = {name: v for name, v in arrays.items() if name not in SCALAR_TENSORS}
+        if temperatures and samples:
+            raise ValueError("samples: sampled targets store no temperatures, got " + str(list(temperatures)))
     return {**arrays, **coded}, {**meta, **coded_meta}
+
+
+def expected_tensors(meta: dict, codec_tensors: frozenset) -> frozenset:
+    """The tensors a shard of this meta must hold (besides meta_json): the reader refuses any other set.
+    row_mask: versions 3 and 4 always, version 5 when its meta says `masked`."""
+    version = int(meta.get("format_version", UNMASKED_VERSION))
+    scalars = frozenset() if meta.get("values") == "counts" else SCALAR_TENSORS
+    masked = version in (FORMAT_VERSION, VARIABLE_K_VERSION) or meta.get("masked") == "1"
+    mask = frozenset({"row_mask"}) if masked else frozenset()
+    return BASE_TENSORS | scalars | codec_tensors | mask
 
 
 def _tempered_masses(seqs: list[TeacherSequence], n_temperatures: int) -> np.ndarray:
@@ -136,6 +161,9 @@ class ShardReader:
         self.seq_rows = f.get_tensor("seq_rows")
         self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
         self.variable_k = int(self.meta.get("format_version", 2)) >= VARIABLE_K_VERSION  # padding entries
+        self.ragged = int(self.meta.get("format_version", 2)) >= RAGGED_VERSION  # cache/ragged.py
+        self.samples = int(self.meta["samples"]) if self.meta.get("values") == "counts" else None
+        self.rice_table = [int(b) for b in self.meta["rice_b_table"].split(",")] if self.ragged else []
         self.id_codec = shard_codecs.lookup(self.codec, f"{path}: codec")
         self.temperatures = [float(t) for t in json.loads(self.meta.get("temperatures", "[]"))]
         self._offsets: dict[str, np.ndarray] = {}
@@ -168,20 +196,28 @@ class ShardReader:
     def sequence(self, j: int) -> TeacherSequence:
         """Decode sequence j: ids in rank order, log-probs sorted descending with the exact top-K mass."""
         a, e = int(self.seq_rows[j]), int(self.seq_rows[j + 1])
-        log_mass = self.rows("log_mass", a, e)
-        ids, logprobs = self.id_codec.decode(self, j, a, e, log_mass)
+        scalars = self._scalars(a, e)
+        ids, logprobs = self.id_codec.decode(self, j, a, e, scalars["log_mass"])
         starts = self.doc_starts[(self.doc_starts >= a) & (self.doc_starts < e)] - a
         return TeacherSequence(
             input_ids=self.rows("input_ids", a, e).astype(np.int64), ids=ids, logprobs=logprobs,
-            log_mass=log_mass, log_tail=self.rows("log_tail", a, e), logz=self._logz(logprobs, a, e),
-            doc_starts=starts, source_index=int(self.seq_source[j]), token_offset=int(self.seq_token_offset[j]),
-            log_mass_t=self.rows("log_mass_t", a, e),
+            logz=self._logz(logprobs, scalars["log_mass_t"]), doc_starts=starts, source_index=int(self.seq_source[j]),
+            token_offset=int(self.seq_token_offset[j]), log_mass=scalars["log_mass"], log_tail=scalars["log_tail"],
+            log_mass_t=scalars["log_mass_t"],
             row_mask=self.rows("row_mask", a, e).astype(bool) if "row_mask" in self.names else None)
 
-    def _logz(self, logprobs: np.ndarray, a: int, e: int) -> np.ndarray:
+    def _scalars(self, a: int, e: int) -> dict[str, np.ndarray]:
+        """log_mass, log_tail, log_mass_t of rows [a, e); draw counts (version 5) imply them: mass 1, no tail."""
+        if self.samples:
+            return {"log_mass": np.zeros(e - a, np.float32), "log_tail": np.full(e - a, -np.inf, np.float32),
+                    "log_mass_t": np.zeros((e - a, 0), np.float32)}
+        return {name: self.rows(name, a, e) for name in ("log_mass", "log_tail", "log_mass_t")}
+
+    def _logz(self, logprobs: np.ndarray, log_mass_t: np.ndarray) -> np.ndarray:
         """c_T as the decoded rows need it: log sum_k exp(a^_k / T) - log_mass_t, so the decoded head carries
         exactly the stored tempered mass (quantised far-down entries weigh far more at T > 1 than at T = 1)."""
-        log_mass_t = self.rows("log_mass_t", a, e).astype(np.float64)
-        lp = logprobs.astype(np.float64)
+        if not self.temperatures:
+            return np.zeros((len(logprobs), 0), np.float32)
+        lp, log_mass_t = logprobs.astype(np.float64), log_mass_t.astype(np.float64)
         cols = [np.logaddexp.reduce(lp / t, axis=1) - log_mass_t[:, i] for i, t in enumerate(self.temperatures)]
-        return np.stack(cols, axis=1).astype(np.float32) if cols else np.zeros((e - a, 0), np.float32)
+        return np.stack(cols, axis=1).astype(np.float32)
