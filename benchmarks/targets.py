@@ -91,16 +91,18 @@ def judge_cache(summary: dict, directory: str = "") -> list[dict]:
 
 
 def _judge_target_arms(arms: dict) -> list[dict]:
-    """Issue 25 on the arms of `topkd bench cache --targets`: sampled N=50 <= 40 B/token, every arm's decode
-    >= 200K tokens/s in one process (one loader worker must feed an H200 training a 135M student)."""
+    """Issue 25 on the arms of `topkd bench cache --targets`: sampled N=50 <= 40 B/token, the top-K and sampled
+    caches decoded at >= 200K tokens/s in one process (one loader worker must feed an H200 training a 135M
+    student); the top-p arm is measured, not judged (the issue set it no target)."""
     out = []
     for name, arm in arms.items():
         n = arm["tokens"]
         if arm["targets"] == "sampled" and arm.get("samples") == 50:
             out.append(target("sampled N=50 <= 40 bytes/token", n, arm["bytes_per_token"], 40,
                               arm["bytes_per_token"] <= 40))
-        out.append(target(f"{name} decode >= 200K tokens/s", n, arm["decode_tokens_per_s"], 2e5,
-                          arm["decode_tokens_per_s"] >= 2e5))
+        if arm["targets"] in ("topk", "sampled"):
+            out.append(target(f"{name} decode >= 200K tokens/s", n, arm["decode_tokens_per_s"], 2e5,
+                              arm["decode_tokens_per_s"] >= 2e5))
     return out
 
 

@@ -99,7 +99,8 @@ def test_cache_target_arms_are_judged():
 
     arms = {"sampled N=50": {"targets": "sampled", "samples": 50, "tokens": 10, "bytes_per_token": 41.0,
                              "decode_tokens_per_s": 3e5},
-            "top-100": {"targets": "topk", "tokens": 10, "bytes_per_token": 216.0, "decode_tokens_per_s": 1.5e5}}
+            "top-100": {"targets": "topk", "tokens": 10, "bytes_per_token": 216.0, "decode_tokens_per_s": 1.5e5},
+            "top-p 0.95": {"targets": "topp", "tokens": 10, "bytes_per_token": 160.0, "decode_tokens_per_s": 1e5}}
     verdicts = {t["target"]: t["pass"] for t in _judge_target_arms(arms)}
     assert verdicts == {"sampled N=50 <= 40 bytes/token": False, "sampled N=50 decode >= 200K tokens/s": True,
                         "top-100 decode >= 200K tokens/s": False}

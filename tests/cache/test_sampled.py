@@ -32,6 +32,29 @@ def test_the_targets_are_an_unbiased_estimate_of_the_teachers_softmax():
     assert np.allclose(np.exp(np.where(np.isfinite(rows["logprobs"]), rows["logprobs"], -np.inf)).sum(1), 1.0)
 
 
+def test_the_hybrid_keeps_the_head_exact_and_the_rest_unbiased():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(1, 8, generator=g).expand(4000, 8), torch.randn(30, 8, generator=g)
+    rows = head_sampled(hidden, weight, None, 20, torch.Generator().manual_seed(1), head=3)
+    exact = torch.softmax(hidden[0] @ weight.T, -1).numpy()
+    head = np.argsort(-exact)[:3]
+    assert (rows["ids"][:, :3] == head).all() and np.allclose(np.exp(rows["logprobs"][:, :3]), exact[head])
+    estimate = np.zeros(30)
+    for ids, lp in zip(rows["ids"], rows["logprobs"]):
+        real = np.isfinite(lp)
+        assert len(set(ids[real].tolist())) == real.sum()  # no id twice: the head is not drawn again
+        np.add.at(estimate, ids[real], np.exp(lp[real]))
+    assert np.abs(estimate / 4000 - exact).max() < 0.01 and np.allclose(rows["log_mass"], 0, atol=1e-6)
+
+
+def test_the_hybrid_row_whose_head_holds_all_the_mass_keeps_only_the_head():
+    weight = torch.zeros(10, 2)
+    weight[4, 0] = 1000.0  # p(4) = 1 in fp32: nothing left to draw from
+    rows = head_sampled(torch.ones(2, 2), weight, None, 5, torch.Generator().manual_seed(0), head=2)
+    assert rows["ids"][:, 0].tolist() == [4, 4] and (rows["logprobs"][:, 0] == 0).all()
+    assert np.isneginf(rows["logprobs"][:, 2:]).all()
+
+
 def _digests(root):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / "shards").glob("*"))}
 
@@ -62,6 +85,26 @@ def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file,
         train(config(str(tmp_path / "c"), tmp_path / "rkl", steps=1, divergence="reverse_kl"))
     with pytest.raises(ValueError, match="--targets sampled: expected --engine hf and no --temperatures"):
         build(cache_config(teacher_dir, text_file, tmp_path / "t", targets="sampled", temperatures=[2.0]))
+    with pytest.raises(ValueError, match="--head: expected only with --targets sampled"):
+        build(cache_config(teacher_dir, text_file, tmp_path / "t", head=4))
+
+
+def test_a_hybrid_cache_builds_and_trains(teacher_dir, text_file, tmp_path):
+    from tests.train.runs import config, losses
+    from topkd.train import train
+
+    build(cache_config(teacher_dir, text_file, tmp_path / "c", targets="sampled", samples=12, head=4,
+                       temperatures=[], max_sequences=6))
+    cache = TopKCache(str(tmp_path / "c"))
+    assert cache.targets == "sampled" and cache.k == 16 and cache.manifest["build"]["targets"]["head"] == 4
+    assert cache.manifest["format_version"] == 5 and cache.verify() == []
+    row = cache[0]
+    real = torch.isfinite(row["teacher_logprobs"])
+    assert (real.sum(1) >= 4).all()  # the head, then the distinct draws
+    mass = row["teacher_logprobs"].masked_fill(~real, -torch.inf).exp().sum(1)
+    assert torch.allclose(mass, torch.ones(1), atol=1e-4)
+    train(config(str(tmp_path / "c"), tmp_path / "run", steps=2, seq_len=24))
+    assert np.isfinite(losses(tmp_path / "run")).all()
 
 
 def test_adaptive_rows_keep_the_fewest_entries_reaching_the_mass_by_hand():

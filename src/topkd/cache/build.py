@@ -23,7 +23,7 @@ from topkd.cache import manifest as mf
 from topkd.cache.adaptive import adaptive_rows
 from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer
 from topkd.cache.repair import check_or_repair, finished, remove_stale_temps
-from topkd.cache.sampled import sampling_seed
+from topkd.cache.sampled import Sampler, sampling_seed
 from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
@@ -40,7 +40,7 @@ TARGETS = ("topk", "sampled", "topp")
 
 def row_width(cfg) -> int:
     """Entries per cached row: K for top-K targets, N (the draws: the most distinct ids a row can hold) sampled."""
-    return cfg.samples if cfg.targets == "sampled" else cfg.k
+    return cfg.samples + cfg.head if cfg.targets == "sampled" else cfg.k
 
 
 @dataclass
@@ -52,6 +52,7 @@ class CacheBuildConfig:
     k: int = 100
     targets: str = "topk"
     samples: int = 50
+    head: int = 0
     top_p: float = 0.95
     min_k: int = 1
     temperatures: list[float] = field(default_factory=list)
@@ -81,6 +82,7 @@ BUILD_HELP = {
                "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
                "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 5",
     "samples": "--targets sampled: draws per token (with replacement; about a quarter come out distinct)",
+    "head": "--targets sampled: keep this many most likely ids exact and draw --samples from the rest (a hybrid)",
     "top_p": "--targets topp: keep per token the fewest of the top-K entries whose mass reaches this (the rest "
              "join the exact tail bucket)",
     "min_k": "--targets topp: entries kept per token at least",
@@ -123,6 +125,10 @@ def check_config(cfg: CacheBuildConfig) -> None:
     if cfg.targets not in TARGETS:
         raise ValueError(f"targets: expected one of {TARGETS}, got {cfg.targets!r}")
     require_ints(cfg, ("samples",), 1)
+    require_ints(cfg, ("head",), 0)
+    if cfg.head and cfg.targets != "sampled":
+        raise ValueError(f"--head: expected only with --targets sampled, got --head {cfg.head} with --targets "
+                         f"{cfg.targets}; --k sets a top-K cache's width")
     if cfg.targets == "topp" and not (0 < cfg.top_p <= 1 and isinstance(cfg.min_k, int) and 1 <= cfg.min_k <= cfg.k):
         raise ValueError(f"--targets topp: expected 0 < --top-p <= 1 and 1 <= --min-k <= --k, got top_p={cfg.top_p} "
                          f"min_k={cfg.min_k} k={cfg.k}")
@@ -244,7 +250,7 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
             identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
             arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
                                         temperatures=tuple(cfg.temperatures), variable_k=cfg.targets != "topk",
-                                        samples=cfg.samples if cfg.targets == "sampled" else None)
+                                        samples=cfg.samples if cfg.targets == "sampled" and not cfg.head else None)
             nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
             mf.write_sidecar(cfg.out, j, nbytes, first, len(group), tokens, build_hash, **shard_facts(rows, meta))
             written += nbytes
@@ -265,7 +271,7 @@ def _sampler(cfg: CacheBuildConfig, teacher, build_hash: str, j: int):
     if cfg.targets != "sampled":
         return None
     device = getattr(getattr(teacher, "model", None), "device", torch.device("cpu"))
-    return torch.Generator(device=device).manual_seed(sampling_seed(build_hash, j))
+    return Sampler(torch.Generator(device=device).manual_seed(sampling_seed(build_hash, j)), cfg.samples, cfg.head)
 
 
 def _sequences(teacher, cfg: CacheBuildConfig):
@@ -332,7 +338,8 @@ def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
     defaults = CacheBuildConfig()  # chat settings only when changed: plain caches keep their build hash
     keep.update({k: getattr(cfg, k) for k in ("messages_field", "train_on") if getattr(cfg, k) != getattr(defaults, k)})
     if cfg.targets == "sampled":  # top-K caches keep their build hash
-        keep["targets"] = {"kind": "sampled", "samples": cfg.samples, "temperature": 1.0}
+        keep["targets"] = {"kind": "sampled", "samples": cfg.samples, "temperature": 1.0,
+                           **({"head": cfg.head} if cfg.head else {})}  # no head: the hash of earlier builds
     if cfg.targets == "topp":
         keep["targets"] = {"kind": "topp", "top_p": cfg.top_p, "min_k": cfg.min_k}
     if cfg.chat_template:

@@ -211,26 +211,34 @@ def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
 
 
 def unpack_varwidth(stream: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """Inverse of pack_varwidth: int64 values."""
+    """Inverse of pack_varwidth (widths <= 56): int64 values, each read from the 8 bytes starting at its first
+    bit's byte (one gather per value, not one per bit)."""
+    widths = widths.astype(np.int64)
     total = int(widths.sum())
     if stream.size * 8 < total:
         raise ValueError(f"remainder stream: expected {total} bits, got {stream.size * 8}; the shard is corrupt")
-    owner, bit = ragged_positions(widths)
-    bits = np.unpackbits(stream, count=total, bitorder="little").astype(np.int64)
-    return np.bincount(owner, weights=bits << bit, minlength=widths.size).astype(np.int64)
+    start = np.cumsum(widths) - widths
+    padded = np.concatenate([stream, np.zeros(8, np.uint8)])
+    at_byte = np.ndarray((stream.size + 1,), dtype="<u8", buffer=padded, strides=(1,))  # 8 bytes from each byte
+    window = at_byte[start >> 3]
+    mask = (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)
+    return ((window >> (start & 7).astype(np.uint64)) & mask).astype(np.int64)
 
 
-def encode_rice_ragged(gaps: np.ndarray, widths: np.ndarray, parameters: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat gaps of ragged rows -> (low bits at each context's width, one bit stream; high parts in unary)."""
-    b = np.asarray(parameters, dtype=np.int64)[gap_contexts(widths)]
-    return pack_varwidth(gaps & ((np.int64(1) << b) - 1), b), encode_unary(gaps >> b)
+def entry_bits(widths: np.ndarray, parameters: list[int]) -> np.ndarray:
+    """The Rice parameter of every entry of ragged rows of these widths (its context's, codec.gap_contexts)."""
+    return np.asarray(parameters, dtype=np.int64)[gap_contexts(widths)]
+
+
+def encode_rice_ragged(gaps: np.ndarray, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat gaps of ragged rows, each with its Rice parameter (entry_bits) -> (low bits, one stream; unary)."""
+    return pack_varwidth(gaps & ((np.int64(1) << bits) - 1), bits), encode_unary(gaps >> bits)
 
 
 def decode_rice_ragged(remainders: np.ndarray, stream: np.ndarray, widths: np.ndarray,
-                       parameters: list[int]) -> np.ndarray:
+                       bits: np.ndarray) -> np.ndarray:
     """Inverse of encode_rice_ragged: the flat ascending ids of each row, row after row."""
-    b = np.asarray(parameters, dtype=np.int64)[gap_contexts(widths)]
-    gaps = (decode_unary(stream, int(widths.sum())) << b) | unpack_varwidth(remainders, b)
+    gaps = (decode_unary(stream, int(widths.sum())) << bits) | unpack_varwidth(remainders, bits)
     ends = np.concatenate([[0], np.cumsum(gaps + 1)])
     starts = np.cumsum(widths.astype(np.int64)) - widths
     return ends[1:] - np.repeat(ends[starts], widths) - 1

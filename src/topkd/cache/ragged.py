@@ -37,7 +37,7 @@ def encode(ids: np.ndarray, logprobs: np.ndarray, scales: np.ndarray, rows: np.n
     frames = []
     for a, e in zip(rows, rows[1:]):
         ea, ee = entry[a], entry[e]
-        rem, unary = codec.encode_rice_ragged(flat_gaps[ea:ee], widths[a:e], table)
+        rem, unary = codec.encode_rice_ragged(flat_gaps[ea:ee], codec.entry_bits(widths[a:e], table))
         head = b"" if samples else scales[a:e].astype("<f2").tobytes()
         frames.append(compressor.compress(head + widths[a:e].astype(width_dtype).tobytes() +
                                           values[ea:ee].tobytes() + rem.tobytes() + unary.tobytes()))
@@ -63,10 +63,10 @@ def count_codes(logprobs: np.ndarray, samples: int) -> np.ndarray:
 def decode(reader, j: int, a: int, e: int, log_mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sequence j (rows [a, e)) back to padded [n, K] rows in rank order: ids, log-probs (-inf padding, last)."""
     n, k = e - a, reader.k
-    scales, widths, values, rem, unary = _frame_parts(reader, j, n)
+    scales, widths, bits, values, rem, unary = _frame_parts(reader, j, n)
     row, col = codec.ragged_positions(widths)
     ids = np.zeros((n, k), np.int64)
-    ids[row, col] = codec.decode_rice_ragged(rem, unary, widths, reader.rice_table)
+    ids[row, col] = codec.decode_rice_ragged(rem, unary, widths, bits)
     samples = reader.samples
     key = np.full((n, k), samples or codec.PAD_CODE, np.uint8)  # padding's key sorts last
     key[row, col] = samples - values if samples else values  # ascending key = descending target
@@ -82,7 +82,8 @@ def decode(reader, j: int, a: int, e: int, log_mass: np.ndarray) -> tuple[np.nda
 
 
 def _frame_parts(reader, j: int, n: int) -> tuple[np.ndarray | None, ...]:
-    """(scales or None, widths, values, remainder stream, unary stream) of sequence j's frame, sizes checked."""
+    """(scales or None, widths, entry bits, values, remainder stream, unary stream) of sequence j's frame, sizes
+    checked."""
     import zstandard
 
     offsets = reader.offsets("frame_offsets")
@@ -103,12 +104,13 @@ def _frame_parts(reader, j: int, n: int) -> tuple[np.ndarray | None, ...]:
         raise ValueError(f"{where}: a row holds {int(widths.max())} entries, more than K={reader.k}; the shard is "
                          "corrupt")
     start = head + width_bytes * n
-    bits = int(np.asarray(reader.rice_table, np.int64)[codec.gap_contexts(widths)].sum())
+    bits = codec.entry_bits(widths, reader.rice_table)
+    rem_bytes = (int(bits.sum()) + 7) // 8
     values, rest = raw[start:start + entries], raw[start + entries:]
-    if values.size < entries or rest.size < (bits + 7) // 8:
+    if values.size < entries or rest.size < rem_bytes:
         raise ValueError(f"{where} is {raw.size} bytes, too short for its {entries} entries; the shard is corrupt")
     _check_counts(values, widths, reader.samples, where)
-    return scales, widths, values, rest[:(bits + 7) // 8], rest[(bits + 7) // 8:]
+    return scales, widths, bits, values, rest[:rem_bytes], rest[rem_bytes:]
 
 
 def _check_counts(values: np.ndarray, widths: np.ndarray, samples: int | None, where: str) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from topkd.cache.sampled import head_sampled
+from topkd.cache.sampled import Sampler
 from topkd.data.documents import position_ids
 from topkd.files import json_sha256
 from topkd.models import final_hidden, load_causal_lm, logit_chunks
@@ -40,9 +40,9 @@ class TeacherEngine(Protocol):
     vocab: int
     tokenizer: object
 
-    # on_batch(tokens) as work completes; sampler: --targets sampled (k draws per token from that generator)
+    # on_batch(tokens) as work completes; sampler: --targets sampled (its draws per token instead of the top-k)
     def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
-                      on_batch=None, sampler: torch.Generator | None = None) -> list[dict[str, np.ndarray]]: ...
+                      on_batch=None, sampler: Sampler | None = None) -> list[dict[str, np.ndarray]]: ...
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict: ...
 
 
@@ -82,18 +82,18 @@ class Teacher:
 
     @torch.inference_mode()
     def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = (),
-                  position_ids: Tensor | None = None, sampler: torch.Generator | None = None) -> dict[str, np.ndarray]:
+                  position_ids: Tensor | None = None, sampler: Sampler | None = None) -> dict[str, np.ndarray]:
         """[B, L] token ids -> per token (flattened B*L): ids, logprobs, log_mass, log_tail, logz. With a sampler
-        (--targets sampled), k draws per token from it instead of the top-k (topkd/cache/sampled.py)."""
+        (--targets sampled), its rows instead of the top-k (topkd/cache/sampled.py)."""
         h = self.hidden_states(input_ids, position_ids)
         weight, bias = self.head_fp32
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         if sampler is not None:
-            return head_sampled(h.reshape(-1, h.shape[-1]), weight, bias, k, sampler, softcap)
+            return sampler.rows(h.reshape(-1, h.shape[-1]), weight, bias, softcap)
         return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures, softcap)
 
     def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
-                      on_batch=None, sampler: torch.Generator | None = None) -> list[dict[str, np.ndarray]]:
+                      on_batch=None, sampler: Sampler | None = None) -> list[dict[str, np.ndarray]]:
         """Top-K rows of each packed sequence (topkd.data.documents.Sequence), batching those of equal length;
         on_batch(tokens) after each forward (the build's progress counts finished work, batch by batch)."""
         out: list[dict | None] = [None] * len(sequences)
