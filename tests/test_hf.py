@@ -254,3 +254,20 @@ def test_a_wrapped_dataset_is_checked_and_carries_its_temperature(built_cache, t
     small.resize_token_embeddings(10)
     with pytest.raises(ValueError, match="student vocabulary: expected >= the teacher's"):
         KDTrainer(model=small, args=args, train_dataset=wrapped)
+
+
+def test_a_sampled_cache_refuses_what_its_targets_cannot_train_with(teacher_dir, text_file, tmp_path):
+    """As `topkd train` refuses: reverse KL, a temperature, a top_k on sampled rows (count / N at T = 1)."""
+    from tests.conftest import cache_config
+    from topkd.cache import build
+
+    build(cache_config(teacher_dir, text_file, tmp_path / "c", targets="sampled", samples=8, temperatures=[],
+                       max_sequences=4))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", disable_tqdm=True)
+    data = TopKDataset(str(tmp_path / "c"), seq_len=24)
+    for bad in ({"divergence": "reverse_kl"}, {"temperature": 2.0, "tail": "renorm"}, {"top_k": 4}):
+        with pytest.raises(ValueError, match=r"KDTrainer: the dataset's cache .* holds sampled targets .* expected "
+                                             r"divergence kl\|jsd\|tvd, temperature 1 and no top_k"):
+            KDTrainer(model=_student(str(tmp_path / "c")), args=args, train_dataset=data, **bad)
+    KDTrainer(model=_student(str(tmp_path / "c")), args=args, train_dataset=data, divergence="jsd")

@@ -31,6 +31,7 @@ import transformers
 from topkd.data import EpochSampler, TopKDataset, collate
 from topkd.loss import loss_parts
 from topkd.loss.options import LossOptions
+from topkd.rows import sampled_targets_problem
 from topkd.train.student import batch_loss
 
 KD_COLUMNS = ("position_ids", "labels", "kd_mask", "teacher_ids", "teacher_logprobs", "teacher_logz")
@@ -53,6 +54,7 @@ class KDTrainerMixin:
                                       ce_weight=ce_weight, reduction="sum", impl=impl, chunk_size=chunk_size)
         self.kd_top_k, self.kd_fold = top_k, fold_beyond_vocab
         check_student_against_cache(self.model, self.train_dataset, self.processing_class, fold_beyond_vocab)
+        check_sampled_targets(self.train_dataset, self.kd_options, top_k)
         self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}  # tensors on the device once a step adds to them
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -144,6 +146,17 @@ def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_voca
               "model), so only its vocabulary size was checked against the cache; pass processing_class=tokenizer",
               file=sys.stderr, flush=True)
     cache.check_student(vocab_size=max(rows, cache.vocab_size) if fold_beyond_vocab else rows, tokenizer=tokenizer)
+
+
+def check_sampled_targets(dataset, options: LossOptions, top_k: int) -> None:
+    """As `topkd train` does: a TopKDataset of a sampled cache refuses the options its targets cannot train with."""
+    cache = getattr(getattr(_topk_dataset(dataset), "stream", None), "source", None)
+    if getattr(cache, "targets", "topk") != "sampled":
+        return
+    problem = sampled_targets_problem(options.divergence, options.temperature, top_k)
+    if problem:
+        raise ValueError(f"KDTrainer: the dataset's cache {cache.path} holds {problem}; pass divergence='kl' (or "
+                         "'jsd', 'tvd'), no temperature and no top_k, or a top-K cache's TopKDataset")
 
 
 def _saved_tokenizer(model):

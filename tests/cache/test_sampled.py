@@ -81,7 +81,8 @@ def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file,
     assert _digests(tmp_path / "c") == before  # the shard's own seed: the same draws, the same bytes
     train(config(str(tmp_path / "c"), tmp_path / "run", steps=3, seq_len=24))
     assert np.isfinite(losses(tmp_path / "run")).all()
-    with pytest.raises(ValueError, match="sampled targets .* expected --divergence kl|jsd|tvd, --temperature 1"):
+    with pytest.raises(ValueError, match=r"sampled targets .* expected divergence kl\|jsd\|tvd, temperature 1 .*"
+                                         r"got divergence=reverse_kl.*; pass --divergence kl"):
         train(config(str(tmp_path / "c"), tmp_path / "rkl", steps=1, divergence="reverse_kl"))
     with pytest.raises(ValueError, match="--targets sampled: expected --engine hf and no --temperatures"):
         build(cache_config(teacher_dir, text_file, tmp_path / "t", targets="sampled", temperatures=[2.0]))

@@ -32,6 +32,7 @@ from topkd.files import exclusive_lock
 from topkd.loss import loss_parts
 from topkd.memory import process_peak_bytes, reserved_peak_bytes
 from topkd.progress import progress
+from topkd.rows import sampled_targets_problem
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, logz_column, loss_options
@@ -143,11 +144,10 @@ def check_targets(cfg: TrainConfig, source) -> None:
     """Sampled targets (count / N of N draws, no tail) make sense only for a forward divergence at T = 1."""
     if getattr(source, "targets", "topk") != "sampled":
         return
-    if cfg.divergence == "reverse_kl" or cfg.temperature != 1.0 or cfg.top_k:
-        raise ValueError(f"cache {cfg.cache}: sampled targets (an unbiased estimate of the teacher at T = 1, zero "
-                         f"off the drawn ids) expected --divergence kl|jsd|tvd, --temperature 1 and no --top-k, got "
-                         f"divergence={cfg.divergence} temperature={cfg.temperature} top_k={cfg.top_k}; use those, "
-                         "or a top-K cache")
+    problem = sampled_targets_problem(cfg.divergence, cfg.temperature, cfg.top_k)
+    if problem:
+        raise ValueError(f"cache {cfg.cache}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
+                         "--top-k, or train on a top-K cache")
 
 
 def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> None:
