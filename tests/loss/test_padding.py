@@ -14,6 +14,11 @@ K_REAL = [7, 1, 3, 7, 2, 5, 4, 6, 1, 7]  # real entries per row, repeating; the 
 
 @pytest.fixture(scope="module")
 def padded():
+    return padded_problem()
+
+
+def padded_problem() -> dict:
+    """Rows of K_REAL real entries, padding ids repeating a real one or out of range, a masked all-padding row."""
     pb = make_problem(n=37, vocab=101, k=7, seed=3)
     real = torch.tensor([K_REAL[i % len(K_REAL)] for i in range(37)])
     padding = torch.arange(7)[None] >= real[:, None]

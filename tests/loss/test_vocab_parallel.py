@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import topkd
 from tests.loss.oracle import make_problem
 from tests.loss.test_agreement import assert_all_close, run, topkd_fn
+from tests.loss.test_padding import padded_problem
 from topkd.loss import VocabParallel
 
 SPLIT = 51
@@ -25,7 +26,15 @@ CASES = {  # name: (make_problem overrides, loss options)
     "reverse-kl-k1-ce": (dict(k=1), dict(divergence="reverse_kl", ce_weight=0.5)),
     "kl-k-equals-v": (dict(k=101), dict(divergence="kl", mask=True)),
     "all-masked": ({}, dict(divergence="kl", mask="none")),
+    "padded-kl-bucket-ce": (dict(padded=True), dict(divergence="kl", mask=True, ce_weight=0.2)),  # variable K
+    "padded-jsd-renorm-T2": (dict(padded=True), dict(divergence="jsd", tail="renorm", temperature=2.0, mask=True)),
 }
+
+
+def problem_of(overrides: dict) -> dict:
+    """make_problem with these overrides; padded=True: rows of variable K (tests/loss/test_padding.py)."""
+    overrides = dict(overrides)
+    return padded_problem() if overrides.pop("padded", False) else make_problem(**overrides)
 
 
 def loss_kwargs(pb: dict, opts: dict) -> dict:
@@ -46,7 +55,7 @@ def worker(rank: int, init_file: str, out: str) -> None:
     start, end = (0, SPLIT) if rank == 0 else (SPLIT, 101)
     results = {}
     for name, (problem, opts) in CASES.items():
-        pb = make_problem(**problem)
+        pb = problem_of(problem)
         shard = dict(pb, w=pb["w"][start:end].contiguous(), b=pb["b"][start:end].contiguous())
 
         def fn(x, w, b, *, ids, logprobs, **kw):
@@ -75,7 +84,7 @@ def parallel_results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_vocab_parallel_matches_the_single_process_loss(parallel_results, name):
     problem, opts = CASES[name]
-    pb = make_problem(**problem)
+    pb = problem_of(problem)
     want = run(topkd_fn("fused"), pb, opts.get("reduction", "mean"), ids=pb["ids"], logprobs=pb["logprobs"],
                **loss_kwargs(pb, opts))
     for rank in range(2):
