@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_bench
 from topkd.bench.loss import LOSS_BENCH_HELP, LossBenchConfig, run_loss_bench
-from topkd.bench.model import MODEL_BENCH_HELP, ModelBenchConfig, run_model_bench
+from topkd.bench.model_command import MODEL_BENCH_HELP, ModelBenchConfig, run_model_bench
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
 from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
 from topkd.cache.inspect import INSPECT_HELP, VERIFY_HELP, InspectConfig, VerifyConfig, inspect_cache, verify_cache

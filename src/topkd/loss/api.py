@@ -79,7 +79,9 @@ def _dispatch(hidden, weight, teacher_ids, teacher_logprobs, options: LossOption
               vocab_parallel) -> Tensor:
     impl = options.impl
     if impl == "triton":
-        validate.check_triton(hidden.dtype, options.ce_weight, float(options.temperature))
+        from topkd.loss import triton_chunk  # Triton is imported only where it is asked for
+
+        triton_chunk.check_inputs(hidden.dtype, options.ce_weight, float(options.temperature))
     if vocab_parallel is not None and impl != "fused":
         raise ValueError(f"vocab_parallel: expected impl='fused' (the driver that shards the vocabulary), got "
                          f"impl={impl!r}")

@@ -41,6 +41,17 @@ def available() -> str | None:
     return interpreter_problem()
 
 
+def check_inputs(dtype: torch.dtype, ce_weight: float, temperature: float) -> None:
+    """impl="triton" covers what its kernels compute; everything else is refused with the remedy."""
+    problem = available() or (
+        "expected fp32/bf16/fp16 inputs (the kernels compute in fp32), got float64; use impl='fused'"
+        if dtype == torch.float64 else
+        f"hard-label CE at temperature={temperature} needs a second, untempered softmax the kernels do not compute; "
+        "use impl='fused', or ce_weight=0" if ce_weight > 0 and temperature != 1.0 else None)
+    if problem:
+        raise ValueError(f"impl='triton': {problem}")
+
+
 def interpreter_problem() -> str | None:
     """Triton before 3.7 interprets kernels (TRITON_INTERPRET=1, on a CPU) with numpy calls that numpy 2.4 made
     errors ("only 0-dimensional arrays can be converted to Python scalars"): say so instead of failing inside."""

@@ -101,18 +101,6 @@ def _check_per_token(name: str, t, lead: tuple, dtype_ok, dtype_word: str) -> No
     _need(tuple(t.shape) == lead, f"{name}: expected shape {lead} (one per token), got {tuple(t.shape)}")
 
 
-def check_triton(dtype: torch.dtype, ce_weight: float, temperature: float) -> None:
-    """impl="triton" covers what its kernels compute; everything else is refused with the remedy."""
-    from topkd.loss import triton_chunk
-
-    problem = triton_chunk.available()
-    _need(problem is None, f"impl='triton': {problem}")
-    _need(dtype != torch.float64, "impl='triton': expected fp32/bf16/fp16 inputs (the kernels compute in fp32), "
-          "got float64; use impl='fused'")
-    _need(not (ce_weight > 0 and temperature != 1.0), f"impl='triton': hard-label CE at temperature={temperature} "
-          "needs a second, untempered softmax the kernels do not compute; use impl='fused', or ce_weight=0")
-
-
 def check_temperature_tail(tail: str, temperature: float, has_logz: bool) -> None:
     _need(tail == "renorm" or temperature == 1.0 or has_logz,
           f"tail='bucket' with temperature={temperature} needs teacher_logz (c_T = log sum_v exp(a_v/T) over the "
