@@ -198,7 +198,7 @@ def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None
     """A real rice-zstd cache (the build's writer) holding synthetic teacher rows."""
     from topkd.cache import manifest as mf
     from topkd.cache.build import shard_facts
-    from topkd.cache.shard import TeacherSequence, encode_shard, write_shard
+    from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, write_shard
 
     os.makedirs(os.path.join(root, "shards"))
     seqs = []
@@ -214,9 +214,9 @@ def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None
     fingerprint = {"teacher": "synthetic", "vocab_size": vocab, "k": K, "temperatures": [],
                    "tokenizer_sha256": "synthetic", "dtype": "float32", "engine": "synthetic",
                    "alignment": "row t holds p(x_{t+1} | x_<=t)"}
-    build = {"seq_len": rows, "codec": "rice-zstd", "separator": None, "data": []}
+    build = {"seq_len": rows, "codec": DEFAULT_CODEC, "separator": None, "data": []}
     build_hash = mf.build_hash(fingerprint, build)
-    arrays, meta = encode_shard(seqs, vocab=vocab, codec_name="rice-zstd",
+    arrays, meta = encode_shard(seqs, vocab=vocab, codec_name=DEFAULT_CODEC,
                                 identity={"build_hash": build_hash, "shard": 0, "sequences": f"0,{n_seqs}"})
     nbytes = write_shard(mf.shard_path(root, 0), arrays, meta)
     side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, build_hash, **shard_facts(seqs, meta))

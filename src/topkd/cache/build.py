@@ -24,7 +24,7 @@ from topkd.cache.adaptive import adaptive_rows
 from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer
 from topkd.cache.repair import check_or_repair, finished, remove_stale_temps
 from topkd.cache.sampled import Sampler, sampling_seed
-from topkd.cache.shard import CODECS, TeacherSequence, encode_shard, write_shard
+from topkd.cache.shard import CODECS, DEFAULT_CODEC, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import Teacher, load_teacher
 from topkd.cache.vllm_engine import VLLMTeacher
 from topkd.checks import require_device, require_dtype, require_ints, require_path
@@ -56,7 +56,7 @@ class CacheBuildConfig:
     top_p: float = 0.95
     min_k: int = 1
     temperatures: list[float] = field(default_factory=list)
-    codec: str = "rice-zstd"
+    codec: str = DEFAULT_CODEC
     seqs_per_shard: int = 64
     batch_size: int = 4
     max_sequences: int = 0

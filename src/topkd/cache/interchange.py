@@ -41,7 +41,7 @@ from topkd.cache import manifest as mf
 from topkd.cache.build import shard_facts
 from topkd.cache.compat import save_teacher_tokenizer
 from topkd.cache.reader import TopKCache
-from topkd.cache.shard import TeacherSequence, encode_shard, write_shard
+from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, write_shard
 from topkd.cache.teacher import fingerprint
 from topkd.checks import require_ints, require_path
 from topkd.data.dataset import TopKDataset
@@ -312,7 +312,7 @@ def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: i
                      k=int(seqs[0].ids.shape[1]), temperatures=(), engine="import axolotl")
     build = {"data": [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)}
                       for p in files],
-             "seq_len": max(2, max(len(s) for s in seqs)), "codec": "rice-zstd", "separator": None,
+             "seq_len": max(2, max(len(s) for s in seqs)), "codec": DEFAULT_CODEC, "separator": None,
              "tail": "unknown: taken as 1 - top-K mass (imported from an Axolotl KD dataset)"}
     return _write_imported(seqs, out, fp, build, mf.build_hash(fp, build), tokenizer)
 

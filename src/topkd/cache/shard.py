@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from safetensors import safe_open
@@ -26,7 +26,8 @@ RAGGED_VERSION = 5  # entries (log-prob code 255, decoded -inf). 5: rows of vari
 READABLE_VERSIONS = (2, 3, 4, 5)  # cache/ragged.py), sampled targets as draw counts; earlier versions still open
 BASE_TENSORS = frozenset({"input_ids", "seq_rows", "seq_source", "seq_token_offset", "doc_starts"})
 SCALAR_TENSORS = frozenset({"log_mass", "log_tail", "logz", "log_mass_t"})  # implied by draw counts (version 5)
-CODECS = tuple(shard_codecs.CODECS)  # names; the first is the default
+CODECS = tuple(shard_codecs.CODECS)  # names
+DEFAULT_CODEC = shard_codecs.DEFAULT_CODEC
 
 
 @dataclass
@@ -44,13 +45,12 @@ class TeacherSequence:
     token_offset: int = 0  # offset of its first token in the source token stream
     log_mass_t: np.ndarray | None = None  # [L, n_temperatures] float32, log sum_k exp(a_k / T - c_T), exact
     row_mask: np.ndarray | None = None  # [L] bool: row t counts for KD and CE (chat targets); None: every row
-    extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = "rice-zstd",
+def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = DEFAULT_CODEC,
                  identity: dict | None = None, temperatures: tuple[float, ...] = (),
                  variable_k: bool = False, samples: int | None = None) -> tuple[dict, dict]:
     """Sequences -> (tensor name -> numpy array, string metadata) for one shard.

@@ -130,7 +130,8 @@ def _ranked(ids: np.ndarray, logprobs: np.ndarray, variable_k: bool):
     return ids, logprobs
 
 
-CODECS = {c.name: c for c in (RiceZstd(), Rice(), Packed())}  # the first is the default
+CODECS = {c.name: c for c in (RiceZstd(), Rice(), Packed())}
+DEFAULT_CODEC = RiceZstd.name  # what a build writes unless --codec says otherwise
 
 
 def lookup(name: str, where: str = "codec") -> Rice | Packed:

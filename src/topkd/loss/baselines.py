@@ -61,13 +61,16 @@ def _slices(logits: Tensor, rows: TeacherRows, spec: LossSpec, kd_w, ce_w, chunk
     kd_tok = torch.empty(n, dtype=cdt, device=logits.device)
     ce_tok = torch.empty(n, dtype=cdt, device=logits.device) if rows.labels is not None else None
     dlogits = None if kd_w is None else logits if in_place else torch.empty_like(logits)
+    # in place and already in the compute dtype, a slice of the logits is itself the chunk's buffer (chunk_step
+    # overwrites z with dL/dz): copying it cost a second [chunk, V] on top of the chunk's own work
+    alias = in_place and logits.dtype == cdt
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        z = logits[start:end].to(cdt, copy=True)
+        z = logits[start:end] if alias else logits[start:end].to(cdt, copy=True)
         kd, ce = chunk_step(z, rows.slice(start, end), spec,
                             None if kd_w is None else kd_w[start:end],
                             None if ce_w is None or kd_w is None else ce_w[start:end],
-                            grad_out=None if dlogits is None else dlogits[start:end])  # cast as it is written
+                            grad_out=None if dlogits is None or alias else dlogits[start:end])  # cast when written
         kd_tok[start:end] = kd
         if ce_tok is not None:
             ce_tok[start:end] = ce
