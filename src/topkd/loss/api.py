@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from topkd.loss import validate
 from topkd.loss.baselines import chunked_linear_kd, dense_linear_kd
 from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows, with_padding
-from topkd.loss.fused import FusedLinearKD, chunk_rows
+from topkd.loss.fused import FusedLinearKD, Plan, chunk_rows
 from topkd.loss.options import LossOptions
 from topkd.loss.vocab_parallel import VocabParallel, shard_for
 
@@ -86,21 +87,21 @@ def _dispatch(hidden, weight, teacher_ids, teacher_logprobs, options: LossOption
         raise ValueError(f"vocab_parallel: expected impl='fused' (the driver that shards the vocabulary), got "
                          f"impl={impl!r}")
     vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel.vocab_size
-    x, row_index, rows, spec, chunk = prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz,
-                                              labels, options, vocab)
+    x, plan = prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options, vocab)
     if impl in ("fused", "triton"):
-        shard = None if vocab_parallel is None else shard_for(vocab_parallel, weight, len(rows), chunk)
-        kernels = TORCH_KERNELS if shard is not None else kernels_for(impl, hidden, spec)
-        return run_fused(x, weight, bias, row_index, rows, spec, options.reduction, chunk, hidden.shape[:-1], shard,
-                         kernels)
-    counted = x if row_index is None else x.index_select(0, row_index)
+        if vocab_parallel is not None:  # the torch passes: the Triton kernels see whole rows only
+            plan = replace(plan, vocab=shard_for(vocab_parallel, weight, len(plan.rows), plan.chunk))
+        else:
+            plan = replace(plan, kernels=kernels_for(impl, hidden, plan.spec))
+        return run_fused(x, weight, bias, plan, hidden.shape[:-1])
+    counted = x if plan.row_index is None else x.index_select(0, plan.row_index)
     if impl == "chunked":
-        loss = chunked_linear_kd(counted, weight, bias, rows, spec, options.reduction, chunk)
+        loss = chunked_linear_kd(counted, weight, bias, plan.rows, plan.spec, options.reduction, plan.chunk)
     else:
-        loss = dense_linear_kd(counted, weight, bias, rows, spec, options.reduction)
+        loss = dense_linear_kd(counted, weight, bias, plan.rows, plan.spec, options.reduction)
     if options.reduction != "none":
         return loss
-    return scatter_tokens(loss, row_index, x.shape[0]).reshape(hidden.shape[:-1])
+    return scatter_tokens(loss, plan.row_index, x.shape[0]).reshape(hidden.shape[:-1])
 
 
 KERNELS_ENV = "TOPKD_FUSED_KERNELS"  # auto | torch | triton: what impl="fused" runs (torch: bisect a kernel bug)
@@ -134,17 +135,16 @@ def _triton_here(device_type: str) -> bool:
     return problem is None
 
 
-def run_fused(x, weight, bias, row_index, rows, spec, reduction, chunk, lead, shard=None,
-              kernels: Kernels = TORCH_KERNELS) -> Tensor:
+def run_fused(x: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan, lead: torch.Size) -> Tensor:
     """The fused driver under autograd on prepare()'s outputs; "none" is scattered back to shape `lead`."""
     grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    loss = FusedLinearKD.apply(x, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted, shard, kernels)
-    return loss if reduction != "none" else scatter_tokens(loss, row_index, x.shape[0]).reshape(lead)
+    loss = FusedLinearKD.apply(x, weight, bias, replace(plan, grad_wanted=grad_wanted))
+    return loss if plan.spec.reduction != "none" else scatter_tokens(loss, plan.row_index, x.shape[0]).reshape(lead)
 
 
 def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options: LossOptions,
-            vocab: int):
-    """Validate, then (2-D hidden, row_index of counted tokens or None, their TeacherRows, LossSpec, chunk rows).
+            vocab: int) -> tuple[Tensor, Plan]:
+    """Validate, then (the 2-D hidden, the call's Plan: counted rows, their TeacherRows, LossSpec, chunk rows).
     vocab is the full vocabulary; weight may hold only some of its rows (vocab-parallel)."""
     validate.check_shapes(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, vocab)
     options.check_inputs(teacher_logz is not None, labels is not None)
@@ -161,16 +161,13 @@ def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_l
     spec = LossSpec(**options.kwargs(), full_support=(k == vocab and rows.padding is None))
     chunk = options.chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
                                              hidden.device.type)
-    return x, row_index, rows, spec, chunk
+    return x, Plan(row_index, rows, spec, chunk)
 
 
 def _counted_rows(ids, logprobs, logz, labels, row_index, k) -> TeacherRows:
-    flat = lambda t, *tail: None if t is None else t.reshape(-1, *tail)  # noqa: E731
-    rows = TeacherRows(flat(ids, k), flat(logprobs, k), flat(logz), flat(labels))
-    if row_index is None:
-        return rows
-    pick = lambda t: None if t is None else t.index_select(0, row_index)  # noqa: E731
-    return TeacherRows(pick(rows.ids), pick(rows.logprobs), pick(rows.logz), pick(rows.labels))
+    rows = TeacherRows(ids.reshape(-1, k), logprobs.reshape(-1, k), None if logz is None else logz.reshape(-1),
+                       None if labels is None else labels.reshape(-1))
+    return rows if row_index is None else rows.map(lambda t: t.index_select(0, row_index))
 
 
 def scatter_tokens(per_token: Tensor, row_index: Tensor | None, n_all: int) -> Tensor:

@@ -18,6 +18,7 @@ lm_head): the row max, the id and label logits and the sums are combined across 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,13 @@ class TeacherRows:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "TeacherRows":
+        """fn applied to every tensor present (None stays None): a slice, a row selection."""
+        return TeacherRows(*(None if t is None else fn(t)
+                             for t in (self.ids, self.logprobs, self.logz, self.labels, self.padding)))
+
     def slice(self, start: int, end: int) -> "TeacherRows":
-        pick = lambda t: None if t is None else t[start:end]  # noqa: E731
-        return TeacherRows(pick(self.ids), pick(self.logprobs), pick(self.logz), pick(self.labels),
-                           pick(self.padding))
+        return self.map(lambda t: t[start:end])
 
 
 def with_padding(rows: TeacherRows) -> TeacherRows:
@@ -74,9 +78,42 @@ def _first_real(padding: Tensor) -> Tensor:
     return (~padding).to(torch.uint8).argmax(dim=1, keepdim=True)
 
 
+class LocalVocab:
+    """The whole vocabulary in this process (the default, and the reference): each reduction is the plain op.
+    VocabShard is its tensor-parallel counterpart, with the same methods; the chunk math calls only these."""
+
+    def gather(self, z: Tensor, ids: Tensor) -> Tensor:
+        """z at ids ([C, K])."""
+        return z.gather(1, ids)
+
+    def put(self, z: Tensor, ids: Tensor, values: Tensor | float, accumulate: bool = False) -> None:
+        """z[r, ids[r, k]] = values[r, k] (a Tensor [C, K], or a number), or += (a Tensor) with accumulate."""
+        if accumulate:
+            z.scatter_add_(1, ids, values)
+        else:
+            z.scatter_(1, ids, values)
+
+    def row_max(self, z: Tensor, out: Tensor | None = None) -> Tensor:
+        return torch.amax(z, dim=1, keepdim=True, out=out)
+
+    def row_sum(self, t: Tensor, out: Tensor | None = None) -> Tensor:
+        return torch.sum(t, dim=1, out=out)
+
+    def all_reduce(self, t: Tensor, op: str) -> Tensor:
+        return t
+
+    def blocks(self, z: Tensor) -> list[tuple[int, int]]:
+        """Row blocks of the full-width passes: each block's max, exp and sum passes hit cache, not DRAM."""
+        return row_blocks(z)
+
+
+LOCAL = LocalVocab()
+
+
 @dataclass(frozen=True)
-class VocabShard:
-    """This process holds vocabulary rows [start, start + size) of `vocab`, split across `group`."""
+class VocabShard(LocalVocab):
+    """This process holds vocabulary rows [start, start + size) of `vocab`, split across `group`: the row max,
+    the logits at ids and the sums span every process's columns (an all_reduce each)."""
 
     start: int
     size: int
@@ -89,69 +126,54 @@ class VocabShard:
         row, k = ((local >= 0) & (local < self.size)).nonzero(as_tuple=True)
         return row, local[row, k], k
 
+    def gather(self, z: Tensor, ids: Tensor) -> Tensor:
+        """Each id's logit comes from the process holding it."""
+        row, col, k = self.held(ids)
+        out = torch.zeros(ids.shape, dtype=z.dtype, device=z.device)
+        out[row, k] = z[row, col]
+        return self.all_reduce(out, "sum")
+
+    def put(self, z: Tensor, ids: Tensor, values: Tensor | float, accumulate: bool = False) -> None:
+        row, col, k = self.held(ids)
+        src = values[row, k] if isinstance(values, Tensor) else torch.tensor(values, dtype=z.dtype, device=z.device)
+        z.index_put_((row, col), src, accumulate=accumulate)
+
+    def row_max(self, z: Tensor, out: Tensor | None = None) -> Tensor:
+        return self.all_reduce(super().row_max(z, out), "max")
+
+    def row_sum(self, t: Tensor, out: Tensor | None = None) -> Tensor:
+        return self.all_reduce(super().row_sum(t, out), "sum")
+
     def all_reduce(self, t: Tensor, op: str) -> Tensor:
         import torch.distributed as dist
 
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         return t
 
-
-def _gather(z: Tensor, ids: Tensor, shard: VocabShard | None) -> Tensor:
-    """z at ids ([C, K]); across a shard group, each id's logit comes from the process holding it."""
-    if shard is None:
-        return z.gather(1, ids)
-    row, col, k = shard.held(ids)
-    out = torch.zeros(ids.shape, dtype=z.dtype, device=z.device)
-    out[row, k] = z[row, col]
-    return shard.all_reduce(out, "sum")
+    def blocks(self, z: Tensor) -> list[tuple[int, int]]:
+        """One block: every reduction is a collective, and the group must make the same calls."""
+        return [(0, z.shape[0])]
 
 
-def _put(z: Tensor, ids: Tensor, values, shard: VocabShard | None, accumulate: bool = False) -> None:
-    """z[r, ids[r, k]] = values[r, k] (a Tensor [C, K] or a number), or += with accumulate."""
-    if shard is None:
-        src = values if isinstance(values, Tensor) else torch.full(ids.shape, values, dtype=z.dtype, device=z.device)
-        z.scatter_add_(1, ids, src) if accumulate else z.scatter_(1, ids, src)
-        return
-    row, col, k = shard.held(ids)
-    src = values[row, k] if isinstance(values, Tensor) else torch.full(row.shape, values, dtype=z.dtype,
-                                                                        device=z.device)
-    z.index_put_((row, col), src, accumulate=accumulate)
+Vocab = LocalVocab  # LOCAL, or a VocabShard
 
 
-def _row_max(z: Tensor, shard: VocabShard | None) -> Tensor:
-    m = z.amax(dim=1, keepdim=True)
-    return m if shard is None else shard.all_reduce(m, "max")
-
-
-def _row_sum(t: Tensor, shard: VocabShard | None) -> Tensor:
-    s = t.sum(dim=1)
-    return s if shard is None else shard.all_reduce(s, "sum")
-
-
-def _softmax_stats(z: Tensor, ids: Tensor, temperature: float, shard: VocabShard | None = None):
+def _softmax_stats(z: Tensor, ids: Tensor, temperature: float, vocab: Vocab = LOCAL):
     """In place: z <- exp((z - max) / T) with zeros at ids. Returns (max, shifted id logits, tail sum, total)."""
-    z_ids = _gather(z, ids, shard)
-    if shard is not None:  # the max and the tail sum span every process's columns
-        m = _row_max(z, shard)
-        z.sub_(m).mul_(1.0 / temperature).exp_()
-        _put(z, ids, 0.0, shard)
-        tail_sum = _row_sum(z, shard)
-        z_ids = (z_ids - m) / temperature
-        return m.squeeze(1), z_ids, tail_sum, tail_sum + z_ids.exp().sum(dim=1)
+    z_ids = vocab.gather(z, ids)
     m = torch.empty(z.shape[0], 1, dtype=z.dtype, device=z.device)
     tail_sum = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
-    for a, b in row_blocks(z):  # each block's max, exp and sum passes hit cache, not DRAM
+    for a, b in vocab.blocks(z):
         block = z[a:b]
-        torch.amax(block, dim=1, keepdim=True, out=m[a:b])
+        vocab.row_max(block, out=m[a:b])
         block.sub_(m[a:b])
         if temperature != 1.0:
             block.mul_(1.0 / temperature)
         block.exp_()
-        block.scatter_(1, ids[a:b], 0.0)
-        torch.sum(block, dim=1, out=tail_sum[a:b])
+        vocab.put(block, ids[a:b], 0.0)
+        vocab.row_sum(block, out=tail_sum[a:b])
     z_ids = (z_ids - m) / temperature
-    total = tail_sum + z_ids.exp().sum(dim=1)
-    return m.squeeze(1), z_ids, tail_sum, total
+    return m.squeeze(1), z_ids, tail_sum, tail_sum + z_ids.exp().sum(dim=1)
 
 
 def chunk_step(
@@ -160,73 +182,108 @@ def chunk_step(
     spec: LossSpec,
     kd_weight: Tensor | None = None,
     ce_weight: Tensor | None = None,
-    shard: VocabShard | None = None,
+    vocab: Vocab = LOCAL,
     grad_out: Tensor | None = None,
     kernels: "Kernels | None" = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token (kd, ce) losses for one chunk; with kd_weight, dL/dz is written to grad_out (default: z).
 
-    z: [C, V] logits in the compute dtype (overwritten); with a shard, [C, shard.size] columns.
+    z: [C, V] logits in the compute dtype (overwritten); with a VocabShard, [C, shard.size] columns.
     kd_weight / ce_weight: [C] weights of each token's kd and ce terms in the total loss
     (ce_weight already includes spec.ce_weight and zeros for ignored labels). kd is returned
     already scaled by T^2. grad_out: a [C, V] buffer in the GEMMs' dtype (bf16), so dL/dz is cast
     in the same pass that writes it. kernels: the two full-width passes (default TORCH_KERNELS).
     """
-    kernels = kernels or TORCH_KERNELS
-    out = z if grad_out is None else grad_out
-    temp, cdt = spec.temperature, z.dtype
-    ids = rows.ids.long()
-    labels = None if rows.labels is None else rows.labels.clamp_min(0).unsqueeze(1)
-    z_label = None if labels is None else _gather(z, labels, shard).squeeze(1)
-    untempered = None
-    if labels is not None and temp != 1.0:  # CE needs the untempered softmax: a second buffer
-        m1 = _row_max(z, shard)
-        untempered = torch.sub(z, m1).exp_()
-        total1 = _row_sum(untempered, shard)
-        lse1 = m1.squeeze(1) + total1.log()
-    m, z_ids, tail_sum, total = kernels.softmax_stats(z, ids, temp, shard)
-    pad = rows.padding
-    if pad is not None:  # an alias of a real id is no outcome of the student: no mass, no share of the total
-        z_ids = z_ids.masked_fill(pad, -math.inf)
-        total = tail_sum + z_ids.exp().sum(dim=1)
-    if untempered is None and labels is not None:
-        total1, lse1 = total, m + total.log()
-    log_total = total.log()
-    log_q_tail = (tail_sum.log() - log_total).clamp_min(math.log(torch.finfo(cdt).tiny))
-    log_q_ids = z_ids - log_total.unsqueeze(1)
-    if pad is not None:  # finite, as every bucket log-prob is: q = tiny there, and p = 0
-        log_q_ids = log_q_ids.masked_fill(pad, math.log(torch.finfo(cdt).tiny))
-    log_q = torch.cat([log_q_ids, log_q_tail.unsqueeze(1)], 1)
-    p, log_p = teacher_buckets(rows.logprobs.to(cdt), None if rows.logz is None else rows.logz.to(cdt),
+    kernels, temp, ids = kernels or TORCH_KERNELS, spec.temperature, rows.ids.long()
+    label = _label_terms(z, rows.labels, temp, vocab)  # before the tempered pass overwrites z
+    student = _student_buckets(z, ids, rows.padding, temp, vocab, kernels)
+    ce = None if label is None else _cross_entropy(label, rows.labels, student)
+    p, log_p = teacher_buckets(rows.logprobs.to(z.dtype), None if rows.logz is None else rows.logz.to(z.dtype),
                                spec.tail, temp, spec.full_support)
-    divergence = DIVERGENCES[spec.divergence]
-    scale = temp * temp
-    ce = None
-    if labels is not None:
-        ce = torch.where(rows.labels >= 0, lse1 - z_label, torch.zeros_like(lse1))
+    divergence, scale = DIVERGENCES[spec.divergence], temp * temp
     if kd_weight is None:
-        return divergence(make_buckets(p, log_p, log_q), spec.beta) * scale, ce
-    log_q.requires_grad_(True)
+        return divergence(make_buckets(p, log_p, student.log_q), spec.beta) * scale, ce
+    log_q = student.log_q.detach().requires_grad_(True)
     with torch.enable_grad():
         kd = divergence(make_buckets(p, log_p, log_q), spec.beta)
-        (u,) = torch.autograd.grad((kd * kd_weight.to(cdt)).sum() * scale, log_q)
-    shared_ce = ce_weight.to(cdt) if labels is not None and untempered is None else None
-    dense, at_ids = _grad_coefficients(u, log_q.detach()[:, :-1].exp(), tail_sum, total, temp, shared_ce)
-    if pad is not None:  # an alias writes the real id's own gradient: the duplicate scatter is then harmless
-        at_ids = torch.where(pad, at_ids.gather(1, _first_real(pad)), at_ids)
-    kernels.write_grad(z, m, dense, ids, at_ids, temp, out, shard)
-    if labels is not None:
-        w = ce_weight.to(cdt)
-        if untempered is not None:  # T != 1: add w * softmax(z) from the untempered buffer
-            out.add_(untempered.mul_((w / total1).unsqueeze(1)))
-        _put(out, labels, -w.unsqueeze(1).to(out.dtype), shard, accumulate=True)
+        (u,) = torch.autograd.grad((kd * kd_weight.to(z.dtype)).sum() * scale, log_q)
+    out = z if grad_out is None else grad_out
+    shared_ce = ce_weight.to(z.dtype) if label is not None and label.untempered is None else None
+    dense, at_ids = _grad_coefficients(u, student, temp, shared_ce, rows.padding)
+    kernels.write_grad(z, student.max, dense, ids, at_ids, temp, out, vocab)
+    if label is not None:
+        _write_label_grad(out, label, ce_weight.to(z.dtype), vocab)
     return kd.detach() * scale, ce
 
 
-def _grad_coefficients(u: Tensor, q_ids: Tensor, tail_sum: Tensor, total: Tensor, temp: float,
-                       shared_ce: Tensor | None) -> tuple[Tensor, Tensor]:
+@dataclass
+class _LabelTerms:
+    """What hard-label CE needs from a chunk's logits, read before the tempered pass overwrites them."""
+
+    index: Tensor  # [C, 1] label ids, ignored ones (-100) clamped to 0
+    logit: Tensor  # [C] z at the label
+    untempered: Tensor | None = None  # T != 1: exp(z - max) over the row, a second [C, V] buffer
+    total: Tensor | None = None  # [C] the untempered softmax's denominator (at T == 1: the student's own)
+    lse: Tensor | None = None  # [C] its logsumexp
+
+
+def _label_terms(z: Tensor, labels: Tensor | None, temp: float, vocab: Vocab) -> _LabelTerms | None:
+    if labels is None:
+        return None
+    index = labels.clamp_min(0).unsqueeze(1)
+    terms = _LabelTerms(index, vocab.gather(z, index).squeeze(1))
+    if temp != 1.0:  # CE needs the untempered softmax: a second buffer
+        m = vocab.row_max(z)
+        terms.untempered = torch.sub(z, m).exp_()
+        terms.total = vocab.row_sum(terms.untempered)
+        terms.lse = m.squeeze(1) + terms.total.log()
+    return terms
+
+
+def _cross_entropy(label: _LabelTerms, labels: Tensor, student: "_Student") -> Tensor:
+    """Per-token CE (0 where ignored); at T == 1 the student's softmax is the untempered one."""
+    if label.untempered is None:
+        label.total, label.lse = student.total, student.max + student.total.log()
+    return torch.where(labels >= 0, label.lse - label.logit, torch.zeros_like(label.lse))
+
+
+def _write_label_grad(out: Tensor, label: _LabelTerms, w: Tensor, vocab: Vocab) -> None:
+    """CE's dL/dz = w (softmax(z) - onehot(label)); at T == 1 the softmax part is already in (shared_ce)."""
+    if label.untempered is not None:  # T != 1: add w * softmax(z) from the untempered buffer
+        out.add_(label.untempered.mul_((w / label.total).unsqueeze(1)))
+    vocab.put(out, label.index, -w.unsqueeze(1).to(out.dtype), accumulate=True)
+
+
+@dataclass(frozen=True)
+class _Student:
+    """The student's K+1 bucket log-masses of one chunk, and the softmax statistics dL/dz is written from."""
+
+    max: Tensor  # [C] row max of the tempered logits
+    tail_sum: Tensor  # [C] sum of exp(z/T - max) off the teacher ids
+    total: Tensor  # [C] the same over the whole row (padding aliases excluded)
+    log_q: Tensor  # [C, K+1] log q at the ids, then the tail
+
+
+def _student_buckets(z: Tensor, ids: Tensor, padding: Tensor | None, temp: float, vocab: Vocab,
+                     kernels: "Kernels") -> _Student:
+    m, z_ids, tail_sum, total = kernels.softmax_stats(z, ids, temp, vocab)
+    if padding is not None:  # an alias of a real id is no outcome of the student: no mass, no share of the total
+        z_ids = z_ids.masked_fill(padding, -math.inf)
+        total = tail_sum + z_ids.exp().sum(dim=1)
+    log_total = total.log()
+    tiny = math.log(torch.finfo(z.dtype).tiny)
+    log_q_tail = (tail_sum.log() - log_total).clamp_min(tiny)
+    log_q_ids = z_ids - log_total.unsqueeze(1)
+    if padding is not None:  # finite, as every bucket log-prob is: q = tiny there, and p = 0
+        log_q_ids = log_q_ids.masked_fill(padding, tiny)
+    return _Student(m, tail_sum, total, torch.cat([log_q_ids, log_q_tail.unsqueeze(1)], 1))
+
+
+def _grad_coefficients(u: Tensor, student: _Student, temp: float, shared_ce: Tensor | None,
+                       padding: Tensor | None) -> tuple[Tensor, Tensor]:
     """(dense [C, 1], at_ids [C, K]): dL/dz = dense * exp(z/T - m) off the ids, at_ids at them
     (plus w * softmax if shared_ce, T == 1)."""
+    tail_sum, total, q_ids = student.tail_sum, student.total, student.log_q[:, :-1].exp()
     u_sum = u.sum(dim=1)
     safe_tail = torch.where(tail_sum > 0, tail_sum, torch.ones_like(tail_sum))
     tail_ratio = torch.where(tail_sum > 0, u[:, -1] / safe_tail, torch.zeros_like(tail_sum))
@@ -235,27 +292,26 @@ def _grad_coefficients(u: Tensor, q_ids: Tensor, tail_sum: Tensor, total: Tensor
     if shared_ce is not None:  # T == 1: softmax(z) = q, so CE's w * q folds into the same terms
         dense = dense + shared_ce / total
         at_ids = at_ids + shared_ce.unsqueeze(1) * q_ids
+    if padding is not None:  # an alias writes the real id's own gradient: the duplicate scatter is then harmless
+        at_ids = torch.where(padding, at_ids.gather(1, _first_real(padding)), at_ids)
     return dense.unsqueeze(1), at_ids
 
 
 def _write_grad(z: Tensor, m: Tensor, dense: Tensor, ids: Tensor, at_ids: Tensor, temp: float, out: Tensor,
-                shard: VocabShard | None = None) -> None:
+                vocab: Vocab = LOCAL) -> None:
     """z holds exp(z/T - m) with zeros at ids (from _softmax_stats): out <- dense * z, then at_ids at the ids.
     out may be z itself, or a low-precision buffer (the cast happens in the same pass)."""
-    if shard is not None:
-        torch.mul(z, dense, out=out)
-        _put(out, ids, at_ids.to(out.dtype), shard)
-        return
     at_ids = at_ids.to(out.dtype)
-    for a, b in row_blocks(z):
-        torch.mul(z[a:b], dense[a:b], out=out[a:b]).scatter_(1, ids[a:b], at_ids[a:b])
+    for a, b in vocab.blocks(z):
+        torch.mul(z[a:b], dense[a:b], out=out[a:b])
+        vocab.put(out[a:b], ids[a:b], at_ids[a:b])
 
 
 @dataclass(frozen=True)
 class Kernels:
     """The two full-width passes over a chunk's [C, V] logits; the rest of chunk_step is [C] or [C, K] math.
-    softmax_stats(z, ids, T, shard) -> (max, shifted id logits, tail sum, total), leaving z for write_grad;
-    write_grad(z, max, dense, ids, at_ids, T, out, shard) writes dL/dz into out."""
+    softmax_stats(z, ids, T, vocab) -> (max, shifted id logits, tail sum, total), leaving z for write_grad;
+    write_grad(z, max, dense, ids, at_ids, T, out, vocab) writes dL/dz into out."""
 
     name: str
     softmax_stats: object

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from topkd.loss import gemm, parts
-from topkd.loss.chunk import TORCH_KERNELS, Kernels, LossSpec, TeacherRows, VocabShard, chunk_step
+from topkd.loss.chunk import LOCAL, TORCH_KERNELS, Kernels, LossSpec, TeacherRows, Vocab, chunk_step
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # CPU: the chunk's buffers fit in L3-ish sizes; GEMMs are efficient at 2K rows
 GPU_CHUNK_BYTES = 2**30  # GPU: rows enough that W and dW traffic hides under the GEMMs (~800 rows at V=201K)
@@ -63,6 +63,19 @@ def release_workspace() -> None:
     _WORKSPACE.buffer = None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One loss call as the driver runs it (from topkd.loss.api.prepare): all but the three differentiable tensors."""
+
+    row_index: Tensor | None  # the counted rows of the 2-D hidden; None when every row counts
+    rows: TeacherRows  # the counted rows' teacher data
+    spec: LossSpec  # spec.reduction: mean | sum | none
+    chunk: int  # rows per chunk
+    vocab: Vocab = LOCAL  # a VocabShard when the lm_head is split by vocabulary rows
+    kernels: Kernels = TORCH_KERNELS  # the two full-width passes
+    grad_wanted: bool = False  # autograd will ask for gradients
+
+
 @dataclass
 class _Grads:
     hidden: Tensor | None
@@ -87,11 +100,12 @@ def token_weights(rows: TeacherRows, spec: LossSpec, reduction: str, dtype: torc
     return kd_w, ce_w
 
 
-def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, chunk, shard=None,
-               kernels: Kernels = TORCH_KERNELS):
+def run_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan, kd_w: Tensor | None,
+               ce_w: Tensor | None, needs: tuple[bool, bool, bool]):
     """The driver: per-token (kd, ce) losses, and gradients for the inputs flagged in needs.
     With a VocabShard, weight and bias are this process's rows and dX is summed over the group.
     No host syncs inside the loop: a GPU runs ahead of Python for the whole call."""
+    rows, spec, chunk, row_index = plan.rows, plan.spec, plan.chunk, plan.row_index
     n, cdt = len(rows), compute_dtype(hidden.dtype)
     grads = _Grads(
         hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden)) if needs[0] else None,
@@ -114,8 +128,8 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
         dz = z if low is None else low[: end - start]
         kd, ce = chunk_step(z, rows.slice(start, end), spec,
                             kd_w[start:end] if want_grad else None,
-                            None if ce_w is None or not want_grad else ce_w[start:end], shard,
-                            dz if cap is None else z, kernels)
+                            None if ce_w is None or not want_grad else ce_w[start:end], plan.vocab,
+                            dz if cap is None else z, plan.kernels)
         if cap is not None and want_grad:  # dL/dz = dL/dz' (1 - tanh^2), in fp32, then cast as it is written
             torch.mul(z, cap.square_().neg_().add_(1.0), out=dz)
         kd_tok[start:end] = kd
@@ -123,8 +137,8 @@ def run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w, needs, c
             ce_tok[start:end] = ce
         if want_grad:
             _spend_grad(dz, x, weight, grads, row_index, start, end, first=start == 0)
-    if shard is not None and grads.hidden is not None:  # each process's columns contribute to every dX row
-        shard.all_reduce(grads.hidden, "sum")
+    if grads.hidden is not None:  # a VocabShard: each process's columns contribute to every dX row
+        plan.vocab.all_reduce(grads.hidden, "sum")
     return kd_tok, ce_tok, grads
 
 
@@ -162,33 +176,32 @@ def reduce_per_token(kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, s
 
 
 class FusedLinearKD(torch.autograd.Function):
-    """autograd wrapper; inputs are the 2-D hidden [N, H] (all rows) and row_index of counted ones."""
+    """autograd wrapper; inputs are the 2-D hidden [N, H] (all rows), weight, bias and the call's Plan."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, row_index, rows, spec, reduction, chunk, grad_wanted,
-                shard: VocabShard | None = None, kernels: Kernels = TORCH_KERNELS):
-        needs = tuple(bool(f) and grad_wanted for f in ctx.needs_input_grad[:3])
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan) -> Tensor:
+        reduction = plan.spec.reduction
+        needs = tuple(bool(f) and plan.grad_wanted for f in ctx.needs_input_grad[:3])
         grad_now = any(needs) and reduction != "none"
-        kd_w, ce_w = token_weights(rows, spec, reduction, compute_dtype(hidden.dtype)) if grad_now else (None, None)
-        kd_tok, ce_tok, grads = run_chunks(hidden, weight, bias, row_index, rows, spec, kd_w, ce_w,
-                                           needs if grad_now else (False, False, False), chunk, shard, kernels)
-        ctx.reduction, ctx.needs, ctx.shard, ctx.kernels = reduction, needs, shard, kernels
+        kd_w, ce_w = token_weights(plan.rows, plan.spec, reduction, compute_dtype(hidden.dtype)) if grad_now \
+            else (None, None)
+        kd_tok, ce_tok, grads = run_chunks(hidden, weight, bias, plan, kd_w, ce_w,
+                                           needs if grad_now else (False, False, False))
+        ctx.plan, ctx.needs = plan, needs
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         if reduction == "none" and any(needs):
-            ctx.save_for_backward(hidden, weight, bias, row_index)
-            ctx.rows, ctx.spec, ctx.chunk = rows, spec, chunk
+            ctx.save_for_backward(hidden, weight, bias)
         elif grad_now:
             ctx.grads = grads
-        return reduce_per_token(kd_tok, ce_tok, rows, spec, reduction)
+        return reduce_per_token(kd_tok, ce_tok, plan.rows, plan.spec, reduction)
 
     @staticmethod
     def backward(ctx, go):
-        if ctx.reduction == "none":
-            hidden, weight, bias, row_index = ctx.saved_tensors
-            kd_w, ce_w = token_weights(ctx.rows, ctx.spec, "none", compute_dtype(hidden.dtype), go)
-            grads = run_chunks(hidden, weight, bias, row_index, ctx.rows, ctx.spec, kd_w, ce_w, ctx.needs, ctx.chunk,
-                               ctx.shard, ctx.kernels)[2]
-            scale = None
+        plan = ctx.plan
+        if plan.spec.reduction == "none":
+            hidden, weight, bias = ctx.saved_tensors
+            kd_w, ce_w = token_weights(plan.rows, plan.spec, "none", compute_dtype(hidden.dtype), go)
+            grads, scale = run_chunks(hidden, weight, bias, plan, kd_w, ce_w, ctx.needs)[2], None
         else:
             grads, scale = ctx.grads, go
             if grads is None:
@@ -196,9 +209,8 @@ class FusedLinearKD(torch.autograd.Function):
                                    "hands them to the first backward, so a second backward through the same loss "
                                    "(retain_graph=True) has none left; compute the loss again, or use impl='dense'")
             ctx.grads = None  # drop our reference so autograd can adopt the buffers without a copy
-        dtypes = ctx.dtypes
-        out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), dtypes)]
-        return (*out, None, None, None, None, None, None, None, None)
+        out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), ctx.dtypes)]
+        return (*out, None)
 
 
 def is_one(scale: Tensor) -> bool:

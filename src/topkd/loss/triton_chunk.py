@@ -111,8 +111,9 @@ def _block(vocab: int) -> int:
     return min(BLOCK_V, triton.next_power_of_2(vocab))
 
 
-def softmax_stats(z: Tensor, ids: Tensor, temperature: float, shard=None):
-    """As topkd.loss.chunk._softmax_stats, but z is left as raw logits with -inf at the ids (see grad_write)."""
+def softmax_stats(z: Tensor, ids: Tensor, temperature: float, vocab=None):
+    """As topkd.loss.chunk._softmax_stats (the whole vocabulary only), but z is left as raw logits with -inf at
+    the ids (see grad_write)."""
     check_device(z)
     z_ids = z.gather(1, ids)
     z.scatter_(1, ids, float("-inf"))
@@ -130,7 +131,7 @@ def softmax_stats(z: Tensor, ids: Tensor, temperature: float, shard=None):
 
 
 def grad_write(z: Tensor, m: Tensor, dense: Tensor, ids: Tensor, at_ids: Tensor, temperature: float, out: Tensor,
-               shard=None) -> None:
+               vocab=None) -> None:
     """out <- exp((z - m)/T) * dense per row (z: raw logits, -inf at ids; out may be z or a bf16 buffer, cast in
     the same pass), then the ids' own gradients."""
     n = z.shape[0]
