@@ -11,6 +11,7 @@ import torch
 from tests.train.runs import config, losses
 from topkd.cache import TopKCache
 from topkd.data import TopKDataset
+from topkd.loss import LossOptions
 from topkd.train import train
 from topkd.train.loop import lr_factor, param_groups
 from topkd.train.student import cut_layers
@@ -36,7 +37,8 @@ def _hf_run(cache_dir, out, cfg, batch, accum, steps, **loss):
                                           disable_tqdm=True)
     data = TopKDataset(TopKCache(cache_dir), seq_len=cfg.seq_len, seed=cfg.seed,
                        temperature=loss.get("temperature") if loss.get("temperature", 1.0) != 1.0 else None)
-    trainer = KDTrainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, scheduler), **loss)
+    trainer = KDTrainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, scheduler),
+                        loss=LossOptions(**loss))
     trainer.train()
     logs = [row for row in trainer.state.log_history if "loss" in row]
     return logs, model
@@ -82,7 +84,7 @@ def test_batches_without_teacher_columns_are_refused(built_cache, tmp_path):
     with pytest.raises(ValueError, match="KDTrainer: expected batches with the teacher's columns"):
         trainer.compute_loss(trainer.model, batch)
     with pytest.raises(ValueError, match="temperature=2.0 with tail='bucket' needs teacher_logz"):
-        KDTrainer(model=_student(built_cache), args=args, temperature=2.0).compute_loss(
+        KDTrainer(model=_student(built_cache), args=args, loss=LossOptions(temperature=2.0)).compute_loss(
             trainer.model, {**batch, "kd_mask": 1, "teacher_ids": 1, "teacher_logprobs": 1})
 
 
@@ -186,7 +188,8 @@ def test_trl_sft_trainer_takes_the_mixin(built_cache, tmp_path):
                          bf16=False, dataset_kwargs={"skip_prepare_dataset": True})  # SFTConfig's default: bf16
     data = as_hf_dataset(TopKDataset(TopKCache(built_cache), seq_len=20))
     trainer = KDSFTTrainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, scheduler),
-                           processing_class=TopKCache(built_cache).load_teacher().tokenizer, ce_weight=0.1)
+                           processing_class=TopKCache(built_cache).load_teacher().tokenizer,
+                           loss=LossOptions(ce_weight=0.1))
     trainer.train()
     logged = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     assert logged == pytest.approx(losses(tmp_path / "topkd"), rel=1e-5)
@@ -234,10 +237,27 @@ def test_the_temperature_is_stated_once_on_the_dataset(built_cache, tmp_path):
     tempered = TopKDataset(built_cache, seq_len=24, temperature=2.0)  # a path is a cache
     trainer = KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered)
     assert trainer.kd_options.temperature == 2.0
-    with pytest.raises(ValueError, match="temperature=3.0, but the dataset carries c_T for T=2.0"):
-        KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered, temperature=3.0)
+    for given in (3.0, 1.0):  # 1.0 is the default, but a LossOptions states it: refused, not overridden
+        with pytest.raises(ValueError, match=rf"loss.temperature={given}, but the dataset carries c_T for T=2.0.*"
+                                             r"loss=LossOptions\(temperature=2.0"):
+            KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered,
+                      loss=LossOptions(temperature=given))
+    assert KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered,
+                     loss=LossOptions(temperature=2.0, ce_weight=0.1)).kd_options.ce_weight == 0.1
     with pytest.raises(ValueError, match=r"build the dataset with TopKDataset\(cache, temperature=2.0\)"):
-        KDTrainer(model=_student(built_cache), args=args, train_dataset=TopKDataset(built_cache), temperature=2.0)
+        KDTrainer(model=_student(built_cache), args=args, train_dataset=TopKDataset(built_cache),
+                  loss=LossOptions(temperature=2.0))
+
+
+def test_loss_keywords_of_old_are_refused_with_the_loss_options_to_pass(built_cache, tmp_path):
+    """KDTrainer(divergence=..., ce_weight=...) went to transformers.Trainer and failed there, naming neither."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", disable_tqdm=True)
+    with pytest.raises(TypeError, match=r"got divergence='jsd', ce_weight=0.1 as keywords; pass "
+                                        r"loss=topkd.LossOptions\(divergence='jsd', ce_weight=0.1\)"):
+        KDTrainer(model=_student(built_cache), args=args, divergence="jsd", ce_weight=0.1)
+    with pytest.raises(TypeError, match="expected loss=topkd.LossOptions"):
+        KDTrainer(model=_student(built_cache), args=args, loss={"divergence": "jsd"})
 
 
 @pytest.mark.slow  # needs the extra topkd[hf] (datasets)
@@ -266,8 +286,9 @@ def test_a_sampled_cache_refuses_what_its_targets_cannot_train_with(teacher_dir,
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=1, use_cpu=True, report_to=[],
                                           save_strategy="no", disable_tqdm=True)
     data = TopKDataset(str(tmp_path / "c"), seq_len=24)
-    for bad in ({"divergence": "reverse_kl"}, {"temperature": 2.0, "tail": "renorm"}, {"top_k": 4}):
+    for bad in ({"loss": LossOptions(divergence="reverse_kl")}, {"loss": LossOptions(temperature=2.0, tail="renorm")},
+                {"top_k": 4}):
         with pytest.raises(ValueError, match=r"KDTrainer: the dataset's cache .* holds sampled targets .* expected "
                                              r"divergence kl\|jsd\|tvd, temperature 1 and no top_k"):
             KDTrainer(model=_student(str(tmp_path / "c")), args=args, train_dataset=data, **bad)
-    KDTrainer(model=_student(str(tmp_path / "c")), args=args, train_dataset=data, divergence="jsd")
+    KDTrainer(model=_student(str(tmp_path / "c")), args=args, train_dataset=data, loss=LossOptions(divergence="jsd"))

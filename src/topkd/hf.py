@@ -3,10 +3,11 @@
     from topkd.cache import TopKCache
     from topkd.data import TopKDataset
     from topkd.hf import KDTrainer
+    from topkd.loss import LossOptions
 
     trainer = KDTrainer(model=student, args=TrainingArguments(output_dir="runs/hf", ...),
                         train_dataset=TopKDataset("runs/cache", seq_len=2048),   # temperature=T: tempered KD
-                        divergence="kl", tail="bucket", ce_weight=0.1)
+                        loss=LossOptions(divergence="kl", tail="bucket", ce_weight=0.1))
     trainer.train()
 
     class KDSFTTrainer(KDTrainerMixin, trl.SFTTrainer):           # the same loss in TRL's SFTTrainer, which
@@ -17,11 +18,12 @@ the lm_head through PEFT and DDP/FSDP wrappers, gathers an FSDP2-sharded head we
 with a gradient back to its shards, and divides the summed loss by the counted tokens (kd_mask) of the whole
 optimizer step on every process (num_items_in_batch), as `topkd train` does: gradient accumulation 1x4 and 4x1
 give the same step. The teacher columns survive remove_unused_columns; a TopKDataset is read in its own
-(seeded) order; kd_loss and ce_loss (per counted token) are logged beside loss. The options are those of
-fused_linear_kd (topkd.loss.LossOptions).
+(seeded) order; kd_loss and ce_loss (per counted token) are logged beside loss. The options are one
+topkd.LossOptions, the fields of fused_linear_kd's keywords.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -34,24 +36,31 @@ from topkd.loss.options import LossOptions
 from topkd.rows import sampled_targets_problem
 from topkd.train.student import batch_loss
 
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))
 KD_COLUMNS = ("position_ids", "labels", "kd_mask", "teacher_ids", "teacher_logprobs", "teacher_logz")
 
 
 class KDTrainerMixin:
     """compute_loss, column keeping, sampling and logging for a transformers.Trainer subclass (KDTrainer, or
-    yours with TRL's SFTTrainer). Loss options are keyword arguments; everything else goes to the Trainer."""
+    yours with TRL's SFTTrainer). The loss is configured by loss=LossOptions(...), the object topkd train builds
+    from its flags and topkd.loss.kd_loss takes; top_k and fold_beyond_vocab pick the rows; the rest goes to the
+    Trainer."""
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's counted tokens
 
-    def __init__(self, *args, divergence: str = "kl", tail: str = "bucket", temperature: float | None = None,
-                 beta: float = 0.5, ce_weight: float = 0.0, impl: str = "fused", chunk_size: int | None = None,
-                 top_k: int = 0, fold_beyond_vocab: bool = False, **kwargs):
+    def __init__(self, *args, loss: LossOptions | None = None, top_k: int = 0, fold_beyond_vocab: bool = False,
+                 **kwargs):
+        stray = [name for name in LOSS_FIELDS if name in kwargs]
+        if stray:  # the keywords KDTrainer took before one LossOptions configured every loss
+            given = ", ".join(f"{name}={kwargs[name]!r}" for name in stray)
+            raise TypeError(f"KDTrainer: expected the loss's options in one LossOptions, got {given} as keywords; "
+                            f"pass loss=topkd.LossOptions({given})")
+        if loss is not None and not isinstance(loss, LossOptions):
+            raise TypeError(f"KDTrainer: expected loss=topkd.LossOptions(...), got {type(loss).__name__}")
         if kwargs.get("data_collator") is None:
             kwargs["data_collator"] = collate
         super().__init__(*args, **kwargs)
-        temperature = kd_temperature(temperature, self.train_dataset, tail)
-        self.kd_options = LossOptions(divergence=divergence, tail=tail, temperature=temperature, beta=beta,
-                                      ce_weight=ce_weight, reduction="sum", impl=impl, chunk_size=chunk_size)
+        self.kd_options = kd_options(loss, self.train_dataset)
         self.kd_top_k, self.kd_fold = top_k, fold_beyond_vocab
         check_student_against_cache(self.model, self.train_dataset, self.processing_class, fold_beyond_vocab)
         check_sampled_targets(self.train_dataset, self.kd_options, top_k)
@@ -114,20 +123,22 @@ class KDTrainer(KDTrainerMixin, transformers.Trainer):
     """transformers.Trainer distilling from a top-K cache with topkd's fused loss (see the module docstring)."""
 
 
-def kd_temperature(given: float | None, dataset, tail: str) -> float:
-    """The temperature, stated once: a TopKDataset built with temperature=T carries c_T for T, and KDTrainer takes
-    T from it; a different one given to KDTrainer as well is refused here, not at the first step."""
+def kd_options(loss: LossOptions | None, dataset) -> LossOptions:
+    """The loss's options against the dataset's temperature: a TopKDataset built with temperature=T carries c_T for
+    T; without loss= KDTrainer takes T from it, and a loss= whose temperature differs is refused here, not at the
+    first step. The reduction is KDTrainer's own (the step's sum over its counted tokens)."""
     dataset = _topk_dataset(dataset)
     carried = None if dataset is None else dataset.temperature
-    if given is None:
-        return float(carried) if carried is not None else 1.0
-    if carried is not None and float(given) != float(carried):
-        raise ValueError(f"KDTrainer: temperature={given}, but the dataset carries c_T for T={carried} "
-                         "(TopKDataset(temperature=...)); state it once: leave KDTrainer's temperature out")
-    if dataset is not None and float(given) != 1.0 and tail == "bucket" and carried is None:
-        raise ValueError(f"KDTrainer: temperature={given} with tail='bucket' needs c_T; build the dataset with "
-                         f"TopKDataset(cache, temperature={given}) and leave KDTrainer's temperature out")
-    return float(given)
+    if loss is None:
+        loss = LossOptions(temperature=float(carried) if carried is not None else 1.0)
+    given = loss.temperature
+    if carried is not None and given != float(carried):
+        raise ValueError(f"KDTrainer: loss.temperature={given}, but the dataset carries c_T for T={carried} "
+                         f"(TopKDataset(temperature=...)); pass loss=LossOptions(temperature={carried}, ...)")
+    if dataset is not None and given != 1.0 and loss.needs_logz and carried is None:
+        raise ValueError(f"KDTrainer: loss.temperature={given} with tail='bucket' needs c_T; build the dataset with "
+                         f"TopKDataset(cache, temperature={given})")
+    return dataclasses.replace(loss, reduction="sum")
 
 
 def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_vocab: bool = False) -> None:
@@ -155,8 +166,9 @@ def check_sampled_targets(dataset, options: LossOptions, top_k: int) -> None:
         return
     problem = sampled_targets_problem(options.divergence, options.temperature, top_k)
     if problem:
-        raise ValueError(f"KDTrainer: the dataset's cache {cache.path} holds {problem}; pass divergence='kl' (or "
-                         "'jsd', 'tvd'), no temperature and no top_k, or a top-K cache's TopKDataset")
+        raise ValueError(f"KDTrainer: the dataset's cache {cache.path} holds {problem}; pass "
+                         "loss=LossOptions(divergence='kl') (or 'jsd', 'tvd') at temperature 1 and no top_k, or a "
+                         "top-K cache's TopKDataset")
 
 
 def _saved_tokenizer(model):

@@ -8,6 +8,7 @@ import topkd
 from tests.train.runs import config
 from topkd.cache import TopKCache
 from topkd.data.samples import SampleStream
+from topkd.loss import LossOptions
 from topkd.train import train
 from topkd.train.student import KDStudent, cut_layers, load_student
 
@@ -114,7 +115,7 @@ def test_top_k_uses_the_first_columns_and_refuses_more_than_k(built_cache, tmp_p
     batch = SampleStream(cache, 24, seed=0).batch(0, 2)
     cfg = config(built_cache, tmp_path)
     student = load_student(cfg, cache)
-    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    opts = LossOptions()
     sliced = KDStudent(student.model, cache.vocab_size, opts, top_k=4)(batch)
     narrow = {**batch, "teacher_ids": batch["teacher_ids"][..., :4],
               "teacher_logprobs": batch["teacher_logprobs"][..., :4]}
@@ -130,7 +131,7 @@ def test_soft_capped_student_trains_on_its_capped_logits(built_cache, tmp_path):
     model = load_student(config(built_cache, tmp_path), cache).model
     model.config.final_logit_softcapping = 2.0
     batch = SampleStream(cache, 30, seed=0).batch(0, 2)
-    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
+    opts = LossOptions()
     loss = KDStudent(model, cache.vocab_size, opts)(batch)
     hidden = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     head = model.get_output_embeddings().weight[: cache.vocab_size]
@@ -152,9 +153,9 @@ def test_bf16_head_runs_the_loss_gemms_in_bf16_and_updates_fp32_masters(built_ca
     torch.manual_seed(0)
     model = load_student(cfg, cache).model
     batch = SampleStream(cache, 30, seed=0).batch(0, 2)
-    opts = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl="fused")
-    seen, real = [], student_module.fused_linear_kd
-    monkeypatch.setattr(student_module, "fused_linear_kd", lambda h, w, *a, **k: seen.append((h.dtype, w.dtype))
+    opts = LossOptions()
+    seen, real = [], student_module.kd_loss
+    monkeypatch.setattr(student_module, "kd_loss", lambda h, w, *a, **k: seen.append((h.dtype, w.dtype))
                         or real(h, w, *a, **k))
     full = KDStudent(model, cache.vocab_size, opts)(batch)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -37,6 +37,7 @@ import torch
 import topkd
 from topkd.bench.point import PeakMemory, teacher_rows
 from topkd.data.samples import SampleStream
+from topkd.loss import LossOptions
 from topkd.memory import status_kib
 from topkd.train.config import TrainConfig
 from topkd.train.loop import train_step
@@ -82,8 +83,7 @@ def make_student(shape: str, layers: int, max_len: int, impl: str, device: str =
     with torch.device(device):
         model = getattr(transformers, model_name)(config)
     model.config.use_cache = False
-    options = dict(divergence="kl", tail="bucket", temperature=1.0, beta=0.5, ce_weight=0.0, impl=impl)
-    module = KDStudent(model.train(), dims["vocab_size"], options, head_dtype=head_dtype)
+    module = KDStudent(model.train(), dims["vocab_size"], LossOptions(impl=impl), head_dtype=head_dtype)
     return module, torch.optim.AdamW(module.parameters(), lr=1e-4)
 
 

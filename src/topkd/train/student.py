@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from topkd.cache import TopKCache
-from topkd.loss import fused_linear_kd
+from topkd.loss import fused_linear_kd, kd_loss
 from topkd.loss.fold import fold_beyond
 from topkd.loss.options import LossOptions
 from topkd.models import final_hidden, load_causal_lm, model_head
@@ -69,14 +69,16 @@ def cut_layers(model: nn.Module, keep: int) -> nn.Module:
 class KDStudent(nn.Module):
     """Owns the student; forward(batch) returns the summed KD (+ CE) loss of the batch's counted tokens.
 
-    options (LossOptions, or a dict of its fields) go to fused_linear_kd; objective="ce" trains on hard labels only (the
-    no-teacher baseline); top_k > 0 distils from the first top_k columns of the (rank-ordered) rows."""
+    options (a LossOptions) configure the loss (its reduction is always the batch's sum); objective="ce" trains
+    on hard labels only (the no-teacher baseline); top_k > 0 distils from the first top_k columns of the
+    (rank-ordered) rows."""
 
-    def __init__(self, model: nn.Module, teacher_vocab: int, options: LossOptions | dict,
+    def __init__(self, model: nn.Module, teacher_vocab: int, options: LossOptions,
                  activation_checkpointing: bool = False, objective: str = "kd", top_k: int = 0,
                  head_dtype: torch.dtype = torch.float32, fold_beyond_vocab: bool = False):
         super().__init__()
-        options = options if isinstance(options, LossOptions) else LossOptions(**{"reduction": "sum", **options})
+        if not isinstance(options, LossOptions):
+            raise TypeError(f"KDStudent: expected options=topkd.LossOptions(...), got {type(options).__name__}")
         softcap = getattr(model.config, "final_logit_softcapping", None) or None  # Gemma-2 style: the loss caps too
         if softcap and objective == "ce":
             raise ValueError(f"objective='ce': expected a student without final logit soft-capping, got "
@@ -110,15 +112,15 @@ def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Te
     if objective == "ce":
         return linear_cross_entropy_sum(hidden.to(head_dtype).reshape(-1, hidden.shape[-1]), weight, bias,
                                         batch["labels"].reshape(-1))
-    opts = dataclasses.replace(options, softcap=softcap)
+    opts = dataclasses.replace(options, softcap=softcap, reduction="sum")
     logz = batch["teacher_logz"] if opts.needs_logz else None
     labels = batch["labels"] if opts.needs_labels else None
     keep = top_k or None
     ids, logprobs = batch["teacher_ids"][..., :keep], batch["teacher_logprobs"][..., :keep]
     if fold_beyond_vocab:
         weight, bias, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
-    return fused_linear_kd(hidden.to(head_dtype), weight, ids, logprobs, mask=batch["kd_mask"], teacher_logz=logz,
-                           labels=labels, bias=bias, **{**opts.kwargs(), "reduction": "sum"})
+    return kd_loss(hidden.to(head_dtype), weight, ids, logprobs, opts, mask=batch["kd_mask"], teacher_logz=logz,
+                   labels=labels, bias=bias)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
