@@ -11,6 +11,7 @@ import torch
 from tests.train.runs import cli_args, config, losses
 from topkd.cache import TopKCache
 from topkd.data.samples import SampleStream
+from topkd.loss import LossOptions
 from topkd.train import train
 from topkd.train.loop import train_step
 from topkd.train.student import KDStudent, load_student
@@ -61,8 +62,7 @@ def test_accumulation_normalises_by_the_tokens_of_the_whole_step(built_cache, tm
         cfg = config(built_cache, tmp_path, batch_size=batch_size, grad_accum=accum, seq_len=30)
         torch.manual_seed(0)
         student = load_student(cfg, cache)
-        module = KDStudent(student.model, cache.vocab_size, dict(divergence="kl", tail="bucket", temperature=1.0,
-                                                                  beta=0.5, ce_weight=0.5, impl="fused"))
+        module = KDStudent(student.model, cache.vocab_size, LossOptions(ce_weight=0.5))
         opt = torch.optim.SGD(module.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         train_step(module, SampleStream(cache, 30, seed=0), opt, sched, cfg, {"step": 0, "samples": 0})
