@@ -62,8 +62,10 @@ def test_accumulation_one_by_four_equals_four_by_one(built_cache, tmp_path):
     one, model_a = _hf_run(built_cache, tmp_path / "a", cfg, batch=4, accum=1, steps=3)
     four, model_b = _hf_run(built_cache, tmp_path / "b", cfg, batch=1, accum=4, steps=3)
     assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in four], rel=1e-5)
+    # Adam divides by sqrt(v): a near-zero gradient entry summed in another order can move its weight by a visible
+    # fraction of lr, so weights agree to 1e-3 of the three steps' largest move (lr 3e-3), not to float rounding
     for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-3 * 3 * cfg.lr), (name, float((a - b).abs().max()))
 
 
 def test_the_model_computes_logits_for_one_position_only(built_cache, tmp_path):

@@ -63,7 +63,7 @@ def test_seq_len_beyond_the_teachers_positions_is_refused_before_it_loads(teache
 
     teacher = teacher_dir if which == "directory" else gguf_teacher
     assert model_positions(teacher) == 512
-    build_module = importlib.import_module("topkd.cache.build")  # the module, not the function of that name
-    monkeypatch.setattr(build_module, "load_teacher", lambda *a, **k: pytest.fail("the teacher was loaded"))
+    engines = importlib.import_module("topkd.cache.engines")
+    monkeypatch.setattr(engines, "load_teacher", lambda *a, **k: pytest.fail("the teacher was loaded"))
     with pytest.raises(ValueError, match="expected at most the teacher's 512 positions"):
         build(cache_config(teacher, text_file, tmp_path / "c", seq_len=4096))

@@ -24,7 +24,8 @@ from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_benc
 from topkd.bench.loss import LOSS_BENCH_HELP, LossBenchConfig, run_loss_bench
 from topkd.bench.model_command import MODEL_BENCH_HELP, ModelBenchConfig, run_model_bench
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
-from topkd.cache.build import BUILD_HELP, CacheBuildConfig, build
+from topkd.cache.build import build
+from topkd.cache.build_config import BUILD_HELP, CacheBuildConfig
 from topkd.cache.inspect import INSPECT_HELP, VERIFY_HELP, InspectConfig, VerifyConfig, inspect_cache, verify_cache
 from topkd.cache.interchange import EXPORT_HELP, IMPORT_HELP, ExportConfig, ImportConfig, run_export, run_import
 from topkd.demo import DEMO_HELP, DemoConfig, run_demo

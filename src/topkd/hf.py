@@ -31,6 +31,7 @@ import torch
 import transformers
 
 from topkd.data import EpochSampler, TopKDataset, collate
+from topkd.data.samples import SequenceSource
 from topkd.loss import loss_parts
 from topkd.loss.options import LossOptions
 from topkd.rows import sampled_targets_problem
@@ -146,9 +147,9 @@ def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_voca
     whose tokenizer gives other ids (Llama-2 and Mistral-7B share V=32,000, not their tokens). The tokenizer is
     the processing_class, else the one saved beside the model (config._name_or_path); without either, only the
     vocabulary is checked, and a warning says so."""
-    cache = getattr(getattr(_topk_dataset(dataset), "stream", None), "source", None)
-    if not hasattr(cache, "check_student"):
-        return  # not a cache (an online teacher, a `datasets` copy): nothing recorded to check against
+    cache = _dataset_source(dataset)
+    if cache is None:
+        return  # not a TopKDataset (a `datasets` copy): nothing recorded to check against
     head = head_model(model)
     rows = int(head.get_output_embeddings().weight.shape[0])
     tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else _saved_tokenizer(head)
@@ -161,8 +162,8 @@ def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_voca
 
 def check_sampled_targets(dataset, options: LossOptions, top_k: int) -> None:
     """As `topkd train` does: a TopKDataset of a sampled cache refuses the options its targets cannot train with."""
-    cache = getattr(getattr(_topk_dataset(dataset), "stream", None), "source", None)
-    if getattr(cache, "targets", "topk") != "sampled":
+    cache = _dataset_source(dataset)
+    if cache is None or cache.targets != "sampled":
         return
     problem = sampled_targets_problem(options.divergence, options.temperature, top_k)
     if problem:
@@ -204,6 +205,12 @@ def _topk_dataset(dataset):
     """The TopKDataset behind a train_dataset: itself, or the one as_hf_dataset wrapped (None: neither)."""
     dataset = getattr(dataset, "topkd_dataset", dataset)
     return dataset if isinstance(dataset, TopKDataset) else None
+
+
+def _dataset_source(dataset) -> SequenceSource | None:
+    """The sequence source (a cache, an online teacher) behind a train_dataset; None: not a TopKDataset's."""
+    topk = _topk_dataset(dataset)
+    return None if topk is None else topk.stream.source
 
 
 def head_model(model):

@@ -56,9 +56,9 @@ def test_documents_are_packed_with_recorded_boundaries(teacher_dir, tmp_path):
     starts = np.cumsum([0] + [len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts[:-1]])
     got = np.concatenate([cache[i]["input_ids"].numpy() for i in range(len(cache))])
     assert np.array_equal(got, stream)  # nothing dropped, the last sequence is shorter
-    flags = np.concatenate([cache[i]["doc_start"].numpy() for i in range(len(cache))])
+    flags = np.concatenate([cache[i]["doc_starts"].numpy() + 64 * i for i in range(len(cache))])
     seq_starts = np.arange(0, len(stream), 64)
-    assert set(np.flatnonzero(flags)) == set(starts) | set(seq_starts)
+    assert set(flags) == set(starts) | set(seq_starts)
     assert [cache[i]["token_offset"] for i in range(len(cache))] == list(seq_starts)
 
 
@@ -70,7 +70,7 @@ def test_teacher_attends_within_documents_only(teacher_dir, tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     build(cache_config(teacher_dir, str(tmp_path / "d.jsonl"), tmp_path / "c", seq_len=200))
     row = TopKCache(str(tmp_path / "c"))[0]
-    start = int(np.flatnonzero(row["doc_start"].numpy())[1])
+    start = int(row["doc_starts"][1])
     with torch.no_grad():
         alone = torch.log_softmax(model(row["input_ids"][None, start:]).logits[0].double(), -1)
         joint = torch.log_softmax(model(row["input_ids"][None]).logits[0, start:].double(), -1)
@@ -166,7 +166,7 @@ def test_unfinished_cache_of_another_build_is_refused(teacher_dir, text_file, tm
                                                ("codec", "zip", "codec"), ("temperatures", [0.0], "temperatures"),
                                                ("dtype", "int8", "dtype"), ("data", [], "at least one file"),
                                                ("data", ["nope.txt"], "existing file"),
-                                               ("engine", "tgi", "engine: expected hf | vllm"),
+                                               ("engine", "tgi", "engine: expected one of hf | vllm"),
                                                ("part", 2, "expected 0 <= part < parts=1")])
 def test_bad_build_settings_are_refused(teacher_dir, text_file, tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):

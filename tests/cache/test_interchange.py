@@ -116,8 +116,8 @@ def test_a_masked_chat_cache_exported_by_topkd_imports_back(teacher_dir, tmp_pat
     assert imported.counted_tokens == original.counted_tokens  # every assistant target, no prompt row
     assert imported.counted_tokens < imported.tokens  # the prompts came back as masked rows
     row, back = original[0], imported[0]
-    assert torch.equal(back["loss_mask"], row["loss_mask"][: len(back["loss_mask"])])
-    keep = back["loss_mask"]
+    assert torch.equal(back["row_mask"], row["row_mask"][: len(back["row_mask"])])
+    keep = back["row_mask"]
     assert torch.equal(back["teacher_ids"][keep], row["teacher_ids"][: len(keep)][keep])
 
 

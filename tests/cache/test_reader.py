@@ -27,8 +27,8 @@ def test_rows_have_the_documented_shapes_and_dtypes(built_cache):
     assert 0 < n <= 48 and k == 16 and len(cache) == cache.manifest["totals"]["sequences"]
     assert row["teacher_ids"].shape == (n, k) and row["teacher_ids"].dtype == torch.int64
     assert row["teacher_logprobs"].shape == (n, k) and row["teacher_logprobs"].dtype == torch.float32
-    assert row["logz"].shape == (n, 1) and row["log_tail"].shape == (n,) and row["doc_start"].dtype == torch.bool
-    assert bool(row["doc_start"][0]) and row["source_index"] == len(cache) - 1
+    assert row["logz"].shape == (n, 1) and row["log_tail"].shape == (n,) and row["doc_starts"].dtype == torch.int64
+    assert int(row["doc_starts"][0]) == 0 and row["source_index"] == len(cache) - 1
     assert sum(cache[i]["input_ids"].numel() for i in range(len(cache))) == cache.tokens
     with pytest.raises(IndexError, match="out of range"):
         cache[len(cache)]

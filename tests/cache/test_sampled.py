@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import cache_config
 from topkd.cache import TopKCache, build
+from topkd.cache.engine_rows import EngineRows
 from topkd.cache.sampled import distinct_counts, head_sampled
 
 
@@ -24,12 +25,12 @@ def test_the_targets_are_an_unbiased_estimate_of_the_teachers_softmax():
     hidden, weight = torch.randn(1, 8, generator=g).expand(4000, 8), torch.randn(30, 8, generator=g)
     rows = head_sampled(hidden, weight, None, 20, torch.Generator().manual_seed(1))
     estimate = np.zeros(30)
-    for ids, lp in zip(rows["ids"], rows["logprobs"]):
+    for ids, lp in zip(rows.ids, rows.logprobs):
         real = np.isfinite(lp)
         np.add.at(estimate, ids[real], np.exp(lp[real]))
     exact = torch.softmax(hidden[0] @ weight.T, -1).numpy()
     assert np.abs(estimate / 4000 - exact).max() < 0.01  # 4000 x 20 draws: the standard error is ~0.002
-    assert np.allclose(np.exp(np.where(np.isfinite(rows["logprobs"]), rows["logprobs"], -np.inf)).sum(1), 1.0)
+    assert np.allclose(np.exp(np.where(np.isfinite(rows.logprobs), rows.logprobs, -np.inf)).sum(1), 1.0)
 
 
 def test_the_hybrid_keeps_the_head_exact_and_the_rest_unbiased():
@@ -38,21 +39,21 @@ def test_the_hybrid_keeps_the_head_exact_and_the_rest_unbiased():
     rows = head_sampled(hidden, weight, None, 20, torch.Generator().manual_seed(1), head=3)
     exact = torch.softmax(hidden[0] @ weight.T, -1).numpy()
     head = np.argsort(-exact)[:3]
-    assert (rows["ids"][:, :3] == head).all() and np.allclose(np.exp(rows["logprobs"][:, :3]), exact[head])
+    assert (rows.ids[:, :3] == head).all() and np.allclose(np.exp(rows.logprobs[:, :3]), exact[head])
     estimate = np.zeros(30)
-    for ids, lp in zip(rows["ids"], rows["logprobs"]):
+    for ids, lp in zip(rows.ids, rows.logprobs):
         real = np.isfinite(lp)
         assert len(set(ids[real].tolist())) == real.sum()  # no id twice: the head is not drawn again
         np.add.at(estimate, ids[real], np.exp(lp[real]))
-    assert np.abs(estimate / 4000 - exact).max() < 0.01 and np.allclose(rows["log_mass"], 0, atol=1e-6)
+    assert np.abs(estimate / 4000 - exact).max() < 0.01 and np.allclose(rows.log_mass, 0, atol=1e-6)
 
 
 def test_the_hybrid_row_whose_head_holds_all_the_mass_keeps_only_the_head():
     weight = torch.zeros(10, 2)
     weight[4, 0] = 1000.0  # p(4) = 1 in fp32: nothing left to draw from
     rows = head_sampled(torch.ones(2, 2), weight, None, 5, torch.Generator().manual_seed(0), head=2)
-    assert rows["ids"][:, 0].tolist() == [4, 4] and (rows["logprobs"][:, 0] == 0).all()
-    assert np.isneginf(rows["logprobs"][:, 2:]).all()
+    assert rows.ids[:, 0].tolist() == [4, 4] and (rows.logprobs[:, 0] == 0).all()
+    assert np.isneginf(rows.logprobs[:, 2:]).all()
 
 
 def _digests(root):
@@ -112,14 +113,14 @@ def test_adaptive_rows_keep_the_fewest_entries_reaching_the_mass_by_hand():
     from topkd.cache.adaptive import adaptive_rows
 
     p = np.array([[0.6, 0.3, 0.05, 0.03]])
-    rows = {"ids": np.array([[4, 9, 1, 7]]), "logprobs": np.log(p).astype(np.float32),
-            "log_mass": np.log(p.sum(1)).astype(np.float32), "log_tail": np.log([0.02]).astype(np.float32),
-            "logz": np.zeros((1, 0), np.float32), "log_mass_t": np.zeros((1, 0), np.float32)}
+    rows = EngineRows(ids=np.array([[4, 9, 1, 7]]), logprobs=np.log(p).astype(np.float32),
+                      log_mass=np.log(p.sum(1)).astype(np.float32), log_tail=np.log([0.02]).astype(np.float32),
+                      logz=np.zeros((1, 0), np.float32), log_mass_t=np.zeros((1, 0), np.float32))
     cut = adaptive_rows(rows, top_p=0.85, min_k=1)  # 0.6 < 0.85 <= 0.6 + 0.3: two entries
-    assert cut["ids"].tolist() == [[4, 9, 4, 4]] and np.isneginf(cut["logprobs"][0, 2:]).all()
-    assert np.exp(cut["log_tail"][0]) == pytest.approx(0.10, rel=1e-6)  # 0.02 + the dropped 0.05 + 0.03
-    assert np.exp(cut["log_mass"][0]) == pytest.approx(0.90, rel=1e-6)
-    assert np.isfinite(adaptive_rows(rows, top_p=0.85, min_k=3)["logprobs"][0, :3]).all()  # at least M kept
+    assert cut.ids.tolist() == [[4, 9, 4, 4]] and np.isneginf(cut.logprobs[0, 2:]).all()
+    assert np.exp(cut.log_tail[0]) == pytest.approx(0.10, rel=1e-6)  # 0.02 + the dropped 0.05 + 0.03
+    assert np.exp(cut.log_mass[0]) == pytest.approx(0.90, rel=1e-6)
+    assert np.isfinite(adaptive_rows(rows, top_p=0.85, min_k=3).logprobs[0, :3]).all()  # at least M kept
 
 
 def test_an_adaptive_cache_keeps_the_tail_exact_and_trains_tempered(teacher_dir, text_file, tmp_path):

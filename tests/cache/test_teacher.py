@@ -30,11 +30,11 @@ def test_head_topk_matches_float64(n, vocab, k, bias, softcap, temps, chunk_rows
     b = torch.randn(vocab, generator=g) if bias else None
     got = head_topk(h, w, b, k, temps, softcap, chunk_bytes=chunk_rows * 4 * vocab)
     ref = brute_force(h, w, b, k, temps, softcap)
-    assert torch.equal(torch.from_numpy(got["ids"]).long().sort(1).values, ref["ids"].sort(1).values)
-    assert torch.allclose(torch.from_numpy(got["logprobs"]).double(), ref["logprobs"], atol=2e-5)
+    assert torch.equal(torch.from_numpy(got.ids).long().sort(1).values, ref["ids"].sort(1).values)
+    assert torch.allclose(torch.from_numpy(got.logprobs).double(), ref["logprobs"], atol=2e-5)
     for name in ("log_mass", "logz"):
-        assert torch.allclose(torch.from_numpy(got[name]).double(), ref[name], atol=2e-5), name
-    tail = torch.from_numpy(got["log_tail"]).double()
+        assert torch.allclose(torch.from_numpy(getattr(got, name)).double(), ref[name], atol=2e-5), name
+    tail = torch.from_numpy(got.log_tail).double()
     if k == vocab:
         assert torch.isneginf(tail).all()
     else:
@@ -45,7 +45,7 @@ def test_tiny_tail_is_exact_not_one_minus_mass():
     h = torch.ones(1, 1)
     w = torch.tensor([[40.0], [0.0], [0.0], [0.0]])  # tail mass ~ 3 e^-40: 1 - mass would round to 0
     got = head_topk(h, w, None, 1, ())
-    assert abs(float(got["log_tail"][0]) - (torch.log(torch.tensor(3.0, dtype=torch.float64)) - 40).item()) < 1e-4
+    assert abs(float(got.log_tail[0]) - (torch.log(torch.tensor(3.0, dtype=torch.float64)) - 40).item()) < 1e-4
 
 
 def test_k_outside_the_vocabulary_is_refused():

@@ -14,7 +14,7 @@ import torch
 from tests.cache.tiny import make_teacher
 from tests.conftest import cache_config
 from topkd.cache import CacheError, TopKCache, build
-from topkd.cache.build import build_lock
+from topkd.cache.repair import build_lock
 
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
 

@@ -79,11 +79,11 @@ def test_conversion_drops_the_extra_entry_and_shifts_rows_by_one():
     recorded = [None, lp((9, -0.1, 1), (3, -2.5, 2)), lp((7, -0.3, 1), (4, -1.5, 2), (2, -6.0, 9))]
     after = lp((4, -0.2, 1), (1, -1.9, 2))
     rows = rows_from_prompt(prompt, recorded, after, k=2)
-    assert rows["ids"].tolist() == [[9, 3], [7, 4], [4, 1]]  # row t predicts token t+1; rank 9 (actual 2) dropped
-    np.testing.assert_allclose(rows["logprobs"], [[-0.1, -2.5], [-0.3, -1.5], [-0.2, -1.9]], rtol=1e-6)
+    assert rows.ids.tolist() == [[9, 3], [7, 4], [4, 1]]  # row t predicts token t+1; rank 9 (actual 2) dropped
+    np.testing.assert_allclose(rows.logprobs, [[-0.1, -2.5], [-0.3, -1.5], [-0.2, -1.9]], rtol=1e-6)
     mass = np.log(np.exp(-0.1) + np.exp(-2.5))
-    np.testing.assert_allclose(rows["log_tail"][0], np.log1p(-np.exp(mass)), rtol=1e-5)
-    assert rows["logz"].shape == (3, 0)
+    np.testing.assert_allclose(rows.log_tail[0], np.log1p(-np.exp(mass)), rtol=1e-5)
+    assert rows.logz.shape == (3, 0)
     with pytest.raises(ValueError, match="starting with None"):
         rows_from_prompt(prompt, recorded[1:] + [after], after, k=2)
     with pytest.raises(ValueError, match="expected 3 entries ranked 1..3 at row 0"):

@@ -62,7 +62,7 @@ def test_a_chat_cache_counts_exactly_the_assistant_tokens(chat_teacher, tmp_path
     assert cache.manifest["format_version"] == 3
     assert cache.counted_tokens == sum(int(d.targets.sum()) for d in expected)  # the separator is no target
     ids = torch.cat([cache[i]["input_ids"] for i in range(len(cache))])
-    counted = torch.cat([cache[i]["loss_mask"] for i in range(len(cache))])
+    counted = torch.cat([cache[i]["row_mask"] for i in range(len(cache))])
     following = ids[1:][counted[:-1]]  # the tokens counted rows predict (none is predicted past the data)
     assert not counted[-1]
     assert tok.decode(following.tolist()) == "".join(_targets_text(tok, d) for d in expected)

@@ -75,7 +75,7 @@ def test_teacher_logz_only_for_a_stored_temperature(built_cache):
 def test_refusals(built_cache):
     cache = TopKCache(built_cache)
     assert len(TopKDataset(built_cache)) == len(TopKDataset(cache))  # a path is opened as its cache
-    with pytest.raises(TypeError, match="expected a cache directory's path or a TopKCache, got dict"):
+    with pytest.raises(TypeError, match="expected a cache directory's path, a TopKCache or another SequenceSource, got dict \\(without path"):
         TopKDataset({"input_ids": [1, 2]})
     assert len(TopKDataset(cache)) == len(TopKDataset(cache, seq_len=max(cache.sequence_lengths())))
     with pytest.raises(ValueError, match="seq_len: expected an int >= 2"):

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from topkd.cache import TopKCache
-from topkd.data.samples import SampleStream
+from topkd.data.samples import SampleStream, logz_column
 from topkd.loss.options import LossOptions
-from topkd.train.config import logz_column
 
 
 @pytest.mark.parametrize("seq_len", [48, 20, 100])  # the cache's, shorter (split), longer (concatenated)
@@ -46,17 +45,17 @@ def test_short_last_sample_is_padded_and_masked(built_cache):
 
 def test_tempered_bucket_needs_the_stored_normaliser(built_cache):
     cache = TopKCache(built_cache)
-    assert logz_column(cache, LossOptions(temperature=2.0)) == 0
-    assert logz_column(cache, LossOptions(temperature=3.0, tail="renorm")) is None
+    assert logz_column(cache, LossOptions(temperature=2.0).logz_temperature) == 0
+    assert logz_column(cache, LossOptions(temperature=3.0, tail="renorm").logz_temperature) is None
     with pytest.raises(ValueError, match="rebuild the cache with --temperatures 3"):
-        logz_column(cache, LossOptions(temperature=3.0))
+        logz_column(cache, LossOptions(temperature=3.0).logz_temperature)
 
 
 def test_document_starts_come_from_the_headers_as_decoding_finds_them(documents_cache):
     starts = documents_cache.document_starts()
     assert len(starts) == len(documents_cache) and sum(len(s) for s in starts) > len(documents_cache)
     for i, s in enumerate(starts):
-        assert s[0] == 0 and np.array_equal(s, documents_cache[i]["doc_start"].nonzero().squeeze(1).numpy())
+        assert s[0] == 0 and np.array_equal(s, documents_cache[i]["doc_starts"].numpy())
 
 
 def test_unpacked_samples_hold_one_document_each_padded_to_the_batch(documents_cache):
@@ -92,3 +91,18 @@ def test_short_samples_are_padded_to_the_batch_longest_not_to_seq_len(built_cach
     last = stream.batch(17, 1)
     assert last["input_ids"].shape == (1, 74) and bool(last["kd_mask"].any())
     assert stream.batch(16, 2)["input_ids"].shape == (2, 100)
+
+
+def test_the_protocol_lists_every_member_and_both_sources_have_them(built_cache, teacher_dir, text_file):
+    from topkd.cache.teacher import load_teacher
+    from topkd.data.samples import SOURCE_MEMBERS, SequenceSource, missing_members
+    from topkd.train.online import OnlineTeacher
+
+    declared = set(SequenceSource.__annotations__) | {
+        name for name, v in vars(SequenceSource).items() if callable(v) and name in ("__len__", "__getitem__")
+        or callable(v) and not name.startswith("_")}
+    assert set(SOURCE_MEMBERS) == declared
+    online = OnlineTeacher(load_teacher(teacher_dir), [text_file], seq_len=32, k=4, temperatures=[])
+    assert missing_members(TopKCache(built_cache)) == [] and missing_members(online) == []
+    assert online.targets == "topk" and online.tokens == online.counted_tokens == sum(online.sequence_lengths())
+    assert missing_members(object())[:2] == ["path", "vocab_size"]

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from topkd.cache import codec
-from topkd.cache.build import CacheBuildConfig, build, teacher_sequence
+from topkd.cache.build import build
+from topkd.cache.build_config import CacheBuildConfig
+from topkd.cache.engine_rows import EngineRows, teacher_sequence
 from topkd.cache.reader import TopKCache
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
@@ -94,10 +96,10 @@ def run_cache_bench(cfg: CacheBenchConfig) -> dict:
     return result
 
 
-def _time_build(teacher, seqs, cfg) -> tuple[dict, list[dict]]:
+def _time_build(teacher, seqs, cfg) -> tuple[dict, list[EngineRows]]:
     """Interleaved per batch: the plain forward, then the cache path split into its parts."""
     t = dict.fromkeys(("forward_s", "body_s", "head_s", "head_gemm_s", "encode_write_s"), 0.0)
-    rows: list[dict] = []
+    rows: list[EngineRows] = []
     batches = [seqs[i:i + cfg.batch_size] for i in range(0, len(seqs), cfg.batch_size)]
     batches = [[s for s in b if len(s.tokens) == len(b[0].tokens)] for b in batches]  # a short last one: out
     temps = tuple(cfg.temperatures)

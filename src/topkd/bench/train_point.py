@@ -197,8 +197,7 @@ def measure_loading(shape: str, tokens: int, size: int, layers: int, repeats: in
 def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None:
     """A real rice-zstd cache (the build's writer) holding synthetic teacher rows."""
     from topkd.cache import manifest as mf
-    from topkd.cache.build import shard_facts
-    from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, write_shard
+    from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, shard_facts, write_shard
 
     os.makedirs(os.path.join(root, "shards"))
     seqs = []

@@ -10,26 +10,29 @@ exact tempered head mass (log_mass_t) is recomputed over the kept entries from t
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from topkd.cache.engine_rows import EngineRows
 
-def adaptive_rows(rows: dict[str, np.ndarray], top_p: float, min_k: int,
-                  temperatures: tuple[float, ...] = ()) -> dict[str, np.ndarray]:
+
+def adaptive_rows(rows: EngineRows, top_p: float, min_k: int, temperatures: tuple[float, ...] = ()) -> EngineRows:
     """Rows as head_topk gives them (rank order) -> the same rows with entries past mass top_p as padding."""
-    lp = rows["logprobs"].astype(np.float64)
+    lp = rows.logprobs.astype(np.float64)
     k = lp.shape[1]
     p = np.exp(lp)
     keep = np.clip(1 + (np.cumsum(p, axis=1) < top_p).sum(axis=1), min(min_k, k), k)  # fewest reaching P
     padding = np.arange(k)[None] >= keep[:, None]
-    tail = np.exp(rows["log_tail"].astype(np.float64)) + np.where(padding, p, 0.0).sum(axis=1)
+    tail = np.exp(rows.log_tail.astype(np.float64)) + np.where(padding, p, 0.0).sum(axis=1)
     kept = np.where(padding, -np.inf, lp)
     with np.errstate(divide="ignore"):
         log_tail = np.log(tail)
-    out = dict(rows)
-    out.update(ids=np.where(padding, rows["ids"][:, :1], rows["ids"]), logprobs=kept.astype(np.float32),
-               log_mass=np.logaddexp.reduce(kept, axis=1).astype(np.float32), log_tail=log_tail.astype(np.float32))
-    if temperatures:
-        logz = rows["logz"].astype(np.float64)
-        out["log_mass_t"] = np.stack([np.logaddexp.reduce(kept / t, axis=1) - logz[:, i]
-                                      for i, t in enumerate(temperatures)], axis=1).astype(np.float32)
-    return out
+    out = dataclasses.replace(rows, ids=np.where(padding, rows.ids[:, :1], rows.ids), logprobs=kept.astype(np.float32),
+                              log_mass=np.logaddexp.reduce(kept, axis=1).astype(np.float32),
+                              log_tail=log_tail.astype(np.float32))
+    if not temperatures:
+        return out
+    logz = rows.logz.astype(np.float64)
+    mass_t = [np.logaddexp.reduce(kept / t, axis=1) - logz[:, i] for i, t in enumerate(temperatures)]
+    return dataclasses.replace(out, log_mass_t=np.stack(mass_t, axis=1).astype(np.float32))

@@ -13,156 +13,35 @@ import itertools
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-import numpy as np
 import torch
 
 from topkd import dist
 from topkd.cache import manifest as mf
 from topkd.cache.adaptive import adaptive_rows
+from topkd.cache.build_config import CacheBuildConfig, check_config, check_positions, row_width
 from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer
-from topkd.cache.repair import check_or_repair, finished, remove_stale_temps
+from topkd.cache.engine_rows import EngineRows, teacher_sequence
+from topkd.cache.engines import ENGINES
+from topkd.cache.repair import build_lock, check_or_repair, finished, remove_stale_temps
 from topkd.cache.sampled import Sampler, sampling_seed
-from topkd.cache.shard import CODECS, DEFAULT_CODEC, TeacherSequence, encode_shard, write_shard
-from topkd.cache.teacher import Teacher, load_teacher
-from topkd.cache.vllm_engine import VLLMTeacher
-from topkd.checks import require_device, require_dtype, require_ints, require_path
-from topkd.data.chat import check_chat_tokenizer, check_train_on
-from topkd.data.documents import chat_roles, check_paths, iter_documents, pack_sequences
-from topkd.files import exclusive_lock, file_sha256, refuse_links
-from topkd.models import model_positions
+from topkd.cache.shard import encode_shard, shard_facts, write_shard
+from topkd.cache.teacher import TeacherEngine
+from topkd.data.chat import check_chat_tokenizer
+from topkd.data.documents import chat_roles, iter_documents, pack_sequences
+from topkd.files import file_sha256, refuse_links
 from topkd.progress import count, progress, skipped
 from topkd.signals import Interrupted
-
-TARGETS = ("topk", "sampled", "topp")
-
-
-def row_width(cfg) -> int:
-    """Entries per cached row: K for top-K targets, N (the draws: the most distinct ids a row can hold) sampled."""
-    return cfg.samples + cfg.head if cfg.targets == "sampled" else cfg.k
-
-
-@dataclass
-class CacheBuildConfig:
-    teacher: str = ""
-    data: list[str] = field(default_factory=list)
-    out: str = ""
-    seq_len: int = 2048
-    k: int = 100
-    targets: str = "topk"
-    samples: int = 50
-    head: int = 0
-    top_p: float = 0.95
-    min_k: int = 1
-    temperatures: list[float] = field(default_factory=list)
-    codec: str = DEFAULT_CODEC
-    seqs_per_shard: int = 64
-    batch_size: int = 4
-    max_sequences: int = 0
-    text_field: str = "text"
-    messages_field: str = "messages"
-    train_on: str = "assistant"
-    chat_template: str = ""
-    dtype: str = "float32"
-    device: str = "cpu"
-    engine: str = "hf"
-    tensor_parallel: int = 1
-    part: int = 0
-    parts: int = 1
-
-
-BUILD_HELP = {
-    "teacher": "teacher: a local Hugging Face model directory, or a .gguf file",
-    "data": "input files: .txt (one document each), .jsonl (one document per line), .npy (token ids)",
-    "out": "cache directory (created; a rerun with the same arguments resumes)",
-    "seq_len": "tokens per sequence (documents are packed, EOS-separated; the last sequence may be shorter)",
-    "k": "top-K log-probs kept per token",
-    "targets": "topk (the teacher's K most likely ids, exact, the rest one tail bucket) | sampled (--samples N "
-               "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
-               "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 5",
-    "samples": "--targets sampled: draws per token (with replacement; about a quarter come out distinct)",
-    "head": "--targets sampled: keep this many most likely ids exact and draw --samples from the rest (a hybrid)",
-    "top_p": "--targets topp: keep per token the fewest of the top-K entries whose mass reaches this (the rest "
-             "join the exact tail bucket)",
-    "min_k": "--targets topp: entries kept per token at least",
-    "temperatures": "comma-separated T values whose normaliser c_T is stored per token (tempered bucket KD)",
-    "codec": "rice-zstd (Rice-coded sorted-id gaps + uint8 log-probs, zstd per sequence; smallest) | rice | "
-             "packed (ceil(log2 V) bits per id, fixed bytes per token)",
-    "seqs_per_shard": "sequences per shard file (the unit of work a crash can lose)",
-    "batch_size": "sequences per teacher forward",
-    "max_sequences": "stop after this many sequences (0: all of the data)",
-    "text_field": "JSONL field holding the text",
-    "messages_field": "JSONL field holding a conversation ([{role, content}, ...]): rendered with the teacher's chat "
-                      "template, one conversation per document",
-    "train_on": "chat data: assistant (only assistant turns and their end-of-turn token count for KD and CE; the "
-                "teacher still reads the whole conversation) | all",
-    "chat_template": "a Jinja chat template file to render conversations with (default: the teacher tokenizer's)",
-    "dtype": "teacher weights dtype: float32 | bfloat16 | float16 (the lm_head math is always fp32)",
-    "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK)",
-    "engine": "hf (transformers, any device, torchrun data-parallel) | vllm (vLLM in its own environment, see "
-              "docs/scale-out.md: one process serving the teacher over --tensor-parallel GPUs; no --temperatures)",
-    "tensor_parallel": "--engine vllm: GPUs the teacher is split across",
-    "part": "with --parts W: this build writes shards j with j mod W == part (one machine of a fleet)",
-    "parts": "independent builds sharing --out (e.g. one per node, any scheduler); when all are done, rerun with "
-             "--parts 1 to write the manifest (finished shards are kept, not recomputed)",
-}
-
-
-def check_config(cfg: CacheBuildConfig) -> None:
-    if not cfg.teacher or not cfg.out:
-        raise ValueError(f"expected --teacher and --out, got teacher={cfg.teacher!r} out={cfg.out!r}")
-    if not os.path.exists(cfg.teacher):
-        raise ValueError(f"teacher: expected a local model directory or .gguf file, got {cfg.teacher!r} (not found); "
-                         "download the model first, topkd never fetches from a hub")
-    require_device(cfg.device)
-    check_positions(model_positions(cfg.teacher), cfg.seq_len)  # config.json or GGUF header: before loading
-    check_paths(cfg.data)
-    if cfg.codec not in CODECS:
-        raise ValueError(f"codec: expected one of {CODECS}, got {cfg.codec!r}")
-    require_ints(cfg, ("seq_len", "k", "seqs_per_shard", "batch_size"), 1)
-    require_ints(cfg, ("max_sequences",), 0)
-    if cfg.targets not in TARGETS:
-        raise ValueError(f"targets: expected one of {TARGETS}, got {cfg.targets!r}")
-    require_ints(cfg, ("samples",), 1)
-    require_ints(cfg, ("head",), 0)
-    if cfg.head and cfg.targets != "sampled":
-        raise ValueError(f"--head: expected only with --targets sampled, got --head {cfg.head} with --targets "
-                         f"{cfg.targets}; --k sets a top-K cache's width")
-    if cfg.targets == "topp" and not (0 < cfg.top_p <= 1 and isinstance(cfg.min_k, int) and 1 <= cfg.min_k <= cfg.k):
-        raise ValueError(f"--targets topp: expected 0 < --top-p <= 1 and 1 <= --min-k <= --k, got top_p={cfg.top_p} "
-                         f"min_k={cfg.min_k} k={cfg.k}")
-    if cfg.targets == "sampled" and (cfg.temperatures or cfg.engine != "hf"):
-        raise ValueError(f"--targets sampled: expected --engine hf and no --temperatures, got engine={cfg.engine!r} "
-                         f"temperatures={cfg.temperatures}; the draws are from the teacher at T = 1 (counts carry "
-                         "no c_T), and vLLM returns only a top-K to draw from")
-    if any(not t > 0 for t in cfg.temperatures):
-        raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
-    require_dtype(cfg.dtype)
-    check_train_on(cfg.train_on)
-    if cfg.chat_template:
-        require_path("--chat-template", cfg.chat_template, "file")
-    if cfg.engine not in ("hf", "vllm"):
-        raise ValueError(f"engine: expected hf | vllm, got {cfg.engine!r}")
-    require_ints(cfg, ("tensor_parallel", "parts"), 1)
-    if not 0 <= cfg.part < cfg.parts:
-        raise ValueError(f"part: expected 0 <= part < parts={cfg.parts}, got {cfg.part}")
-    if cfg.engine == "vllm" and cfg.temperatures:
-        raise ValueError(f"--engine vllm: expected no --temperatures, got {cfg.temperatures}; vLLM returns only the "
-                         "top-K, so c_T over the full vocabulary cannot be computed; use --engine hf, or train with "
-                         "--tail renorm (needs no c_T)")
-    if cfg.engine == "vllm" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("--engine vllm: expected one process (vLLM runs its own tensor-parallel workers), got "
-                         f"WORLD_SIZE={os.environ['WORLD_SIZE']}; run it without torchrun, one build per node "
-                         "with --part/--parts, or use --engine hf under torchrun")
 
 
 def build(cfg: CacheBuildConfig) -> dict:
     """Build (or resume, or repair) the cache in cfg.out; returns the manifest."""
     check_config(cfg)
-    rank, world = dist.init(cfg.device) if cfg.engine == "hf" else (0, 1)
-    teacher = load_teacher(cfg.teacher, cfg.dtype, dist.local_device(cfg.device)) if cfg.engine == "hf" else \
-        VLLMTeacher(cfg.teacher, cfg.k, cfg.dtype, cfg.tensor_parallel, cfg.seq_len)
+    engine = ENGINES[cfg.engine]
+    rank, world = dist.init(cfg.device) if engine.distributed else (0, 1)
+    teacher = engine.load(cfg.teacher, dtype=cfg.dtype, device=dist.local_device(cfg.device), k=cfg.k,
+                          tensor_parallel=cfg.tensor_parallel, seq_len=cfg.seq_len)
     check_teacher_fits(teacher, cfg)
     me, builders = cfg.part * world + rank, cfg.parts * world
     total = _count_tokens(teacher, cfg, me, builders)  # also refuses empty or out-of-vocabulary data
@@ -218,21 +97,7 @@ def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
     check_positions(getattr(config, "max_position_embeddings", None), cfg.seq_len)
 
 
-def check_positions(limit: int | None, seq_len: int) -> None:
-    if isinstance(limit, int) and seq_len > limit:
-        raise ValueError(f"seq_len: expected at most the teacher's {limit} positions (max_position_embeddings), got "
-                         f"{seq_len}; use --seq-len {limit} or less")
-
-
-def build_lock(out: str, who: str):
-    """One build process per (part, rank) of an --out: a second identical build is refused at once, never
-    left to delete or overwrite the first one's files."""
-    return exclusive_lock(os.path.join(out, f".build-{who}.lock"),
-                          f"{out}: another build is writing there (process {{holder}} holds {{path}}); wait for it "
-                          "to finish, or build into another --out")
-
-
-def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int, total: int) -> int:
+def _build_shards(teacher: TeacherEngine, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int, total: int) -> int:
     bar = progress(total=total, desc=f"cache build (rank {rank})" if world > 1 else "cache build", unit="tok")
     written, start, n_shards = 0, time.perf_counter(), 0
     try:
@@ -261,7 +126,7 @@ def _build_shards(teacher: Teacher, cfg: CacheBuildConfig, build_hash: str, rank
     return n_shards
 
 
-def _adapted(cfg: CacheBuildConfig, rows: dict) -> dict:
+def _adapted(cfg: CacheBuildConfig, rows: EngineRows) -> EngineRows:
     """--targets topp: the rows cut to mass --top-p (topkd/cache/adaptive.py); other targets as they come."""
     return adaptive_rows(rows, cfg.top_p, cfg.min_k, tuple(cfg.temperatures)) if cfg.targets == "topp" else rows
 
@@ -308,29 +173,13 @@ def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
     return total
 
 
-def shard_facts(rows: list[TeacherSequence], meta: dict) -> dict:
-    """What a sidecar records beside the checksum: the largest token id, the format version, counted rows."""
-    real = lambda r: r.ids[~np.isneginf(r.logprobs)]  # noqa: E731  (padding ids are never read)
-    return {"max_id": max(max(int(real(r).max()), int(r.input_ids.max())) for r in rows),
-            "format_version": int(meta["format_version"]),
-            "counted": sum(len(r) if r.row_mask is None else int(r.row_mask.sum()) for r in rows)}
-
-
-def teacher_sequence(seq, rows: dict) -> TeacherSequence:
-    """One packed sequence and its teacher rows (from a TeacherEngine), as the shard encoder takes them."""
-    return TeacherSequence(input_ids=seq.tokens, ids=rows["ids"], logprobs=rows["logprobs"],
-                           log_mass=rows["log_mass"], log_tail=rows["log_tail"], logz=rows["logz"],
-                           doc_starts=seq.doc_starts, source_index=seq.index, token_offset=seq.token_offset,
-                           log_mass_t=rows.get("log_mass_t"), row_mask=seq.row_mask)
-
-
 def _batched(iterable, n: int):
     it = iter(iterable)
     while group := list(itertools.islice(it, n)):
         yield group
 
 
-def _build_info(cfg: CacheBuildConfig, teacher: Teacher) -> dict:
+def _build_info(cfg: CacheBuildConfig, teacher: TeacherEngine) -> dict:
     """Everything besides the teacher that decides the cache's bytes: data files and settings."""
     data = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)} for p in cfg.data]
     keep = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "codec", "seqs_per_shard", "max_sequences",

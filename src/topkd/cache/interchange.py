@@ -38,10 +38,9 @@ import numpy as np
 import torch
 
 from topkd.cache import manifest as mf
-from topkd.cache.build import shard_facts
 from topkd.cache.compat import save_teacher_tokenizer
 from topkd.cache.reader import TopKCache
-from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, write_shard
+from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, shard_facts, write_shard
 from topkd.cache.teacher import fingerprint
 from topkd.checks import require_ints, require_path
 from topkd.data.dataset import TopKDataset

@@ -132,14 +132,12 @@ class TopKCache:
                                     "rerun the build command to redo it")
             self._verified.add((os.getpid(), j))
         seq = self.shard(j).sequence(local)
-        doc_start = np.zeros(len(seq), dtype=bool)
-        doc_start[seq.doc_starts] = True
         return {"input_ids": torch.from_numpy(seq.input_ids), "teacher_ids": torch.from_numpy(seq.ids),
                 "teacher_logprobs": torch.from_numpy(seq.logprobs), "log_tail": torch.from_numpy(seq.log_tail),
                 "log_mass": torch.from_numpy(seq.log_mass), "logz": torch.from_numpy(seq.logz),
-                "doc_start": torch.from_numpy(doc_start), "source_index": seq.source_index,
+                "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)), "source_index": seq.source_index,
                 "token_offset": seq.token_offset,
-                **({} if seq.row_mask is None else {"loss_mask": torch.from_numpy(seq.row_mask)})}
+                **({} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)})}
 
     def __getstate__(self):  # pickled into DataLoader workers: shard handles are re-opened there
         state = dict(self.__dict__)

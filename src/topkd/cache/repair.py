@@ -1,8 +1,9 @@
-"""Resume and repair of a cache build: what a rerun of `topkd cache build` finds in --out, and what it does.
+"""Resume, repair and locking of a cache build: what a rerun of `topkd cache build` finds in --out, and what it does.
 
     check_or_repair(out, build_hash)   # a finished cache: kept if whole, set up for repair if damaged
     finished(out, build_hash)          # its manifest, if this exact build finished (another build is refused)
     remove_stale_temps(out, j)         # temp files of shard j left by a killed process
+    with build_lock(out, "0-0"): ...   # one build process per (part, rank) of an --out
 
 A finished cache whose every shard verifies is left as it is; a damaged manifest, stored tokenizer, or a
 deleted, truncated, corrupt or swapped shard is removed with the manifest, so the build redoes just those.
@@ -15,6 +16,7 @@ import os
 
 from topkd.cache import manifest as mf
 from topkd.cache.compat import tokenizer_problems
+from topkd.files import exclusive_lock
 
 
 def remove_stale_temps(out: str, j: int) -> None:
@@ -82,3 +84,9 @@ def check_or_repair(root: str, build_hash: str) -> None:
                 os.remove(stale)
     with contextlib.suppress(FileNotFoundError):  # already gone when the tokenizer was damaged too
         os.remove(path)
+def build_lock(out: str, who: str):
+    """One build process per (part, rank) of an --out: a second identical build is refused at once, never
+    left to delete or overwrite the first one's files."""
+    return exclusive_lock(os.path.join(out, f".build-{who}.lock"),
+                          f"{out}: another build is writing there (process {{holder}} holds {{path}}); wait for it "
+                          "to finish, or build into another --out")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from topkd.cache.engine_rows import EngineRows
 from topkd.models import logit_chunks
 
 HEAD_CHUNK_BYTES = 64 * 2**20
@@ -59,15 +60,15 @@ class Sampler:
     def width(self) -> int:
         return self.head + self.samples
 
-    def rows(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None = None) -> dict:
+    def rows(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None = None) -> EngineRows:
         return head_sampled(hidden, weight, bias, self.samples, self.generator, softcap, head=self.head)
 
 
 @torch.inference_mode()
 def head_sampled(hidden: Tensor, weight: Tensor, bias: Tensor | None, n: int, generator: torch.Generator,
-                 softcap: float | None = None, chunk_bytes: int = HEAD_CHUNK_BYTES, head: int = 0) -> dict:
+                 softcap: float | None = None, chunk_bytes: int = HEAD_CHUNK_BYTES, head: int = 0) -> EngineRows:
     """N draws per row of softmax(hidden @ weight.T + bias) over the full vocabulary (fp32, row chunks: [N, V]
-    never exists); rows as the cache build takes them (teacher.head_topk's keys), no tail.
+    never exists); rows as the cache build takes them (EngineRows), no tail.
 
     head K0 > 0 (the hybrid): the K0 most likely ids with their exact probabilities, then N draws from the rest
     of the distribution with probability rest_mass x count / N: the head is exact, the rest unbiased."""
@@ -80,9 +81,9 @@ def head_sampled(hidden: Tensor, weight: Tensor, bias: Tensor | None, n: int, ge
     logprobs = torch.cat([p[1] for p in parts]).cpu().numpy()
     rows = len(ids)
     log_mass = np.logaddexp.reduce(logprobs.astype(np.float64), axis=1) if head else np.zeros(rows)
-    return {"ids": ids, "logprobs": logprobs, "log_mass": log_mass.astype(np.float32),
-            "log_tail": np.full(rows, -np.inf, np.float32), "logz": np.zeros((rows, 0), np.float32),
-            "log_mass_t": np.zeros((rows, 0), np.float32)}
+    return EngineRows(ids=ids, logprobs=logprobs, log_mass=log_mass.astype(np.float32),
+                      log_tail=np.full(rows, -np.inf, np.float32), logz=np.zeros((rows, 0), np.float32),
+                      log_mass_t=np.zeros((rows, 0), np.float32))
 
 
 def _sampled_rows(probs: Tensor, n: int, generator: torch.Generator, head: int) -> tuple[Tensor, Tensor]:

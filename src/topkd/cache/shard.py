@@ -62,17 +62,37 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = D
     id_codec = shard_codecs.lookup(codec_name)
     if not seqs:
         raise ValueError("a shard needs at least one sequence, got none")
-    cat = lambda name: np.concatenate([getattr(s, name) for s in seqs])  # noqa: E731
-    ids, logprobs, k = cat("ids").astype(np.int64), cat("logprobs"), seqs[0].ids.shape[1]
-    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-    rows = np.concatenate([[0], np.cumsum(lengths)])
-    logz = cat("logz").astype(np.float32).reshape(len(ids), -1)
+    arrays = _sequence_arrays(seqs, temperatures)
+    ids, logprobs = _joined(seqs, "ids").astype(np.int64), _joined(seqs, "logprobs")
+    ragged = variable_k and id_codec.stores_ragged
+    masked = any(s.row_mask is not None for s in seqs) or (variable_k and not ragged)
+    if masked:  # version 3: which rows count (1) and which are context only (0)
+        arrays["row_mask"] = np.concatenate([np.ones(len(s), bool) if s.row_mask is None else s.row_mask
+                                             for s in seqs]).astype(np.uint8)
+    meta = _shard_meta(codec_name, seqs[0].ids.shape[1], vocab, temperatures, variable_k, ragged, masked)
+    meta.update({key: str(value) for key, value in (identity or {}).items()})
+    padding = np.isneginf(logprobs) if variable_k else None
+    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), arrays["seq_rows"], vocab,
+                                        padding, samples if ragged else None, ragged)
+    if ragged:
+        arrays = _ragged_arrays(arrays, vocab, samples, temperatures)
+    return {**arrays, **coded}, {**meta, **coded_meta}
+
+
+def _joined(seqs: list[TeacherSequence], name: str) -> np.ndarray:
+    return np.concatenate([getattr(s, name) for s in seqs])
+
+
+def _sequence_arrays(seqs: list[TeacherSequence], temperatures: tuple[float, ...]) -> dict[str, np.ndarray]:
+    """The tensors every shard version stores whatever its codec: tokens, per-row scalars, sequence bounds."""
+    rows = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    logz = _joined(seqs, "logz").astype(np.float32).reshape(int(rows[-1]), -1)
     if logz.shape[1] != len(temperatures):
         raise ValueError(f"logz: expected one column per temperature {list(temperatures)}, got {logz.shape[1]}")
-    arrays = {
-        "input_ids": cat("input_ids").astype(np.int32),
-        "log_mass": cat("log_mass").astype(np.float32),
-        "log_tail": cat("log_tail").astype(np.float32),
+    return {
+        "input_ids": _joined(seqs, "input_ids").astype(np.int32),
+        "log_mass": _joined(seqs, "log_mass").astype(np.float32),
+        "log_tail": _joined(seqs, "log_tail").astype(np.float32),
         "logz": logz,
         "log_mass_t": _tempered_masses(seqs, logz.shape[1]),
         "seq_rows": rows,
@@ -80,28 +100,32 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = D
         "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
         "doc_starts": np.concatenate([s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]),
     }
-    ragged = variable_k and id_codec.stores_ragged
-    masked = any(s.row_mask is not None for s in seqs) or (variable_k and not ragged)
-    if masked:  # version 3: which rows count (1) and which are context only (0)
-        arrays["row_mask"] = np.concatenate([np.ones(len(s), bool) if s.row_mask is None else s.row_mask
-                                             for s in seqs]).astype(np.uint8)
-    version = RAGGED_VERSION if ragged else VARIABLE_K_VERSION if variable_k else \
-        FORMAT_VERSION if masked else UNMASKED_VERSION
+
+
+def _shard_meta(codec_name: str, k: int, vocab: int, temperatures: tuple[float, ...], variable_k: bool,
+                ragged: bool, masked: bool) -> dict[str, str]:
+    """meta_json: the format version these rows need (the oldest that holds them), codec and shapes."""
+    if ragged:
+        version = RAGGED_VERSION
+    elif variable_k:
+        version = VARIABLE_K_VERSION
+    else:
+        version = FORMAT_VERSION if masked else UNMASKED_VERSION
     meta = {"format_version": str(version), "codec": codec_name, "k": str(k), "vocab": str(vocab),
             "temperatures": json.dumps([float(t) for t in temperatures])}
     if ragged:
         meta["masked"] = "1" if masked else "0"
-    meta.update({key: str(value) for key, value in (identity or {}).items()})
-    padding = np.isneginf(logprobs) if variable_k else None
-    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), rows, vocab, padding,
-                                        samples if ragged else None, ragged)
-    if ragged:  # version 5: small vocabularies' input ids in 2 bytes; draw counts imply the per-row scalars
-        arrays["input_ids"] = arrays["input_ids"].astype(np.uint16 if vocab <= 2**16 else np.int32)
-        if samples:
-            arrays = {name: v for name, v in arrays.items() if name not in SCALAR_TENSORS}
-        if temperatures and samples:
-            raise ValueError("samples: sampled targets store no temperatures, got " + str(list(temperatures)))
-    return {**arrays, **coded}, {**meta, **coded_meta}
+    return meta
+
+
+def _ragged_arrays(arrays: dict, vocab: int, samples: int | None, temperatures: tuple[float, ...]) -> dict:
+    """Version 5: small vocabularies' input ids in 2 bytes; draw counts imply the per-row scalars."""
+    arrays = {**arrays, "input_ids": arrays["input_ids"].astype(np.uint16 if vocab <= 2**16 else np.int32)}
+    if samples and temperatures:
+        raise ValueError("samples: sampled targets store no temperatures, got " + str(list(temperatures)))
+    if samples:
+        arrays = {name: v for name, v in arrays.items() if name not in SCALAR_TENSORS}
+    return arrays
 
 
 def expected_tensors(meta: dict, codec_tensors: frozenset) -> frozenset:
@@ -221,3 +245,15 @@ class ShardReader:
         lp, log_mass_t = logprobs.astype(np.float64), log_mass_t.astype(np.float64)
         cols = [np.logaddexp.reduce(lp / t, axis=1) - log_mass_t[:, i] for i, t in enumerate(self.temperatures)]
         return np.stack(cols, axis=1).astype(np.float32)
+
+
+def shard_facts(rows: list[TeacherSequence], meta: dict) -> dict:
+    """What a sidecar records beside the checksum: the largest token id, the format version, counted rows."""
+    return {"max_id": max(max(int(_real_ids(r).max()), int(r.input_ids.max())) for r in rows),
+            "format_version": int(meta["format_version"]),
+            "counted": sum(len(r) if r.row_mask is None else int(r.row_mask.sum()) for r in rows)}
+
+
+def _real_ids(seq: TeacherSequence) -> np.ndarray:
+    """The ids of a sequence's entries that are not padding (padding ids are never read)."""
+    return seq.ids[~np.isneginf(seq.logprobs)]

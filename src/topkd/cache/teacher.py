@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from topkd.cache.engine_rows import EngineRows
 from topkd.cache.sampled import Sampler
 from topkd.data.documents import position_ids
 from topkd.files import json_sha256
@@ -42,7 +43,7 @@ class TeacherEngine(Protocol):
 
     # on_batch(tokens) as work completes; sampler: --targets sampled (its draws per token instead of the top-k)
     def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
-                      on_batch=None, sampler: Sampler | None = None) -> list[dict[str, np.ndarray]]: ...
+                      on_batch=None, sampler: Sampler | None = None) -> list[EngineRows]: ...
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict: ...
 
 
@@ -82,8 +83,8 @@ class Teacher:
 
     @torch.inference_mode()
     def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = (),
-                  position_ids: Tensor | None = None, sampler: Sampler | None = None) -> dict[str, np.ndarray]:
-        """[B, L] token ids -> per token (flattened B*L): ids, logprobs, log_mass, log_tail, logz. With a sampler
+                  position_ids: Tensor | None = None, sampler: Sampler | None = None) -> EngineRows:
+        """[B, L] token ids -> the rows of every token (flattened B*L). With a sampler
         (--targets sampled), its rows instead of the top-k (topkd/cache/sampled.py)."""
         h = self.hidden_states(input_ids, position_ids)
         weight, bias = self.head_fp32
@@ -93,10 +94,10 @@ class Teacher:
         return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures, softcap)
 
     def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
-                      on_batch=None, sampler: Sampler | None = None) -> list[dict[str, np.ndarray]]:
+                      on_batch=None, sampler: Sampler | None = None) -> list[EngineRows]:
         """Top-K rows of each packed sequence (topkd.data.documents.Sequence), batching those of equal length;
         on_batch(tokens) after each forward (the build's progress counts finished work, batch by batch)."""
-        out: list[dict | None] = [None] * len(sequences)
+        out: list[EngineRows | None] = [None] * len(sequences)
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(sequences):
             by_len.setdefault(len(s.tokens), []).append(i)
@@ -122,7 +123,7 @@ class Teacher:
 
 
 def head_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperatures=(),
-              softcap: float | None = None, chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict[str, np.ndarray]:
+              softcap: float | None = None, chunk_bytes: int = HEAD_CHUNK_BYTES) -> EngineRows:
     """Top-K log-probs of softmax(hidden @ weight.T + bias) over the full vocabulary, token chunks, fp32.
 
     weight [V, H] and bias [V] are fp32 (Teacher.head_fp32); hidden may be any float dtype."""
@@ -134,10 +135,10 @@ def head_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, tempe
         if scratch is None:  # one row block (L2-sized on a CPU), reused by every chunk
             scratch = torch.empty(row_blocks(z)[0][1], vocab, device=z.device)
         parts.append(_chunk_topk(z, scratch, k, temperatures))
-    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    return EngineRows.concat(parts)
 
 
-def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> dict:
+def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> EngineRows:
     """One chunk of logits (overwritten) -> top-K rows; passes walk L2-sized row blocks."""
     n = z.shape[0]
     values, ids = z.topk(k, dim=1)  # whole chunk at once: topk parallelises over rows
@@ -157,14 +158,14 @@ def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> dict:
     logz = [log_sums[i] - log_total / t for i, t in enumerate(temperatures)]
     log_mass_t = [torch.logsumexp(logprobs / t, dim=1) - c for t, c in zip(temperatures, logz)]  # exact head at T
     stack = lambda cols: torch.stack(cols, 1).numpy() if cols else np.zeros((n, 0), np.float32)  # noqa: E731
-    return {"ids": ids.to(torch.int32).numpy(), "logprobs": logprobs.numpy(),
-            "log_mass": torch.logsumexp(logprobs, dim=1).numpy(), "log_tail": (log_tail - log_total).numpy(),
-            "logz": stack(logz), "log_mass_t": stack(log_mass_t)}
+    return EngineRows(ids=ids.to(torch.int32).numpy(), logprobs=logprobs.numpy(),
+                      log_mass=torch.logsumexp(logprobs, dim=1).numpy(), log_tail=(log_tail - log_total).numpy(),
+                      logz=stack(logz), log_mass_t=stack(log_mass_t))
 
 
-def split_rows(flat: dict[str, np.ndarray], n_seqs: int, length: int) -> list[dict[str, np.ndarray]]:
-    """Rows of a [n_seqs, length] batch, flattened by topk_rows, back into one dict per sequence."""
-    return [{name: v[i * length:(i + 1) * length] for name, v in flat.items()} for i in range(n_seqs)]
+def split_rows(flat: EngineRows, n_seqs: int, length: int) -> list[EngineRows]:
+    """Rows of a [n_seqs, length] batch, flattened by topk_rows, back into one EngineRows per sequence."""
+    return [flat.slice(i * length, (i + 1) * length) for i in range(n_seqs)]
 
 
 def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Teacher:

@@ -1,7 +1,7 @@
 """Teacher through vLLM (`topkd cache build --engine vllm`): the same rows, the same shards.
 
     teacher = VLLMTeacher("path/to/hf_model_dir", k=100, tensor_parallel=8)
-    rows = teacher.sequence_rows(sequences)       # one dict per packed sequence, as Teacher.topk_rows gives
+    rows = teacher.sequence_rows(sequences)       # one EngineRows per packed sequence, as Teacher.topk_rows gives
 
 vLLM scores prompts, not packed sequences with per-document attention, so every document piece of a
 sequence is sent as its own prompt (exactly the context the HF engine gives it: positions restart,
@@ -30,14 +30,15 @@ import os
 
 import numpy as np
 
+from topkd.cache.engine_rows import EngineRows
 from topkd.cache.teacher import fingerprint
 from topkd.files import json_file_sha256
 
 TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
 
 
-def rows_from_prompt(prompt_ids: list[int], prompt_logprobs: list, next_logprobs: dict, k: int) -> dict:
-    """One prompt's vLLM output -> rows [L, K] like Teacher.topk_rows (ids, logprobs, log_mass, log_tail, logz)."""
+def rows_from_prompt(prompt_ids: list[int], prompt_logprobs: list, next_logprobs: dict, k: int) -> EngineRows:
+    """One prompt's vLLM output -> its rows [L, K], as Teacher.topk_rows gives them."""
     if len(prompt_logprobs) != len(prompt_ids) or (prompt_ids and prompt_logprobs[0] is not None):
         raise ValueError(f"vLLM output: expected prompt_logprobs of length {len(prompt_ids)} starting with None, "
                          f"got length {len(prompt_logprobs)}; was prompt_logprobs=K set and prefix caching off?")
@@ -54,9 +55,9 @@ def rows_from_prompt(prompt_ids: list[int], prompt_logprobs: list, next_logprobs
     log_mass = np.logaddexp.reduce(logprobs.astype(np.float64), axis=1)
     with np.errstate(divide="ignore"):  # a top-K holding all the mass leaves a zero tail: the floor
         tail = np.log(-np.expm1(np.minimum(log_mass, 0.0)))
-    return {"ids": ids, "logprobs": logprobs, "log_mass": log_mass.astype(np.float32),
-            "log_tail": np.maximum(tail, TAIL_FLOOR).astype(np.float32),
-            "logz": np.zeros((len(entries), 0), np.float32)}
+    return EngineRows(ids=ids, logprobs=logprobs, log_mass=log_mass.astype(np.float32),
+                      log_tail=np.maximum(tail, TAIL_FLOOR).astype(np.float32),
+                      logz=np.zeros((len(entries), 0), np.float32))
 
 
 def document_pieces(tokens: np.ndarray, doc_starts: np.ndarray) -> list[np.ndarray]:
@@ -91,7 +92,7 @@ class VLLMTeacher:
                                           detokenize=False)
 
     def sequence_rows(self, sequences: list, k: int | None = None, temperatures: tuple[float, ...] = (),
-                      batch_size: int = 0, on_batch=None, sampler=None) -> list[dict[str, np.ndarray]]:
+                      batch_size: int = 0, on_batch=None, sampler=None) -> list[EngineRows]:
         """Rows for packed sequences (topkd.data.documents.Sequence), one vLLM call for all their pieces (vLLM
         batches itself; k was fixed at construction; temperatures are refused by the build)."""
         pieces = [document_pieces(np.asarray(s.tokens), s.doc_starts) for s in sequences]
@@ -100,7 +101,7 @@ class VLLMTeacher:
         rows = []
         for ps in pieces:
             parts = [_rows_of(next(outputs), self.k) for _ in ps]
-            rows.append({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
+            rows.append(EngineRows.concat(parts))
         if on_batch is not None:  # vLLM schedules the whole call itself: one report when it returns
             on_batch(sum(len(s.tokens) for s in sequences))
         return rows

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from topkd.data.samples import SampleStream, SequenceSource, collate, temperature_column
+from topkd.data.samples import SampleStream, SequenceSource, collate, logz_column, missing_members
 
 __all__ = ["EpochSampler", "TopKDataset", "collate"]
 
@@ -47,8 +47,8 @@ class TopKDataset(torch.utils.data.Dataset):
         seq_len = max(lengths) if seq_len is None else seq_len
         if not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"TopKDataset seq_len: expected an int >= 2 (or None: the cache's), got {seq_len!r}")
-        self.stream = SampleStream(cache, seq_len, seed, temperature_column(cache, temperature), packing)
-        self.vocab_size: int | None = getattr(cache, "vocab_size", None)  # the teacher's (student rows beyond: padding)
+        self.stream = SampleStream(cache, seq_len, seed, logz_column(cache, temperature), packing)
+        self.vocab_size: int = cache.vocab_size  # the teacher's (student rows beyond it: padding)
         self.temperature = temperature  # the T whose c_T the items carry (teacher_logz); KDTrainer takes it from here
 
     def __len__(self) -> int:
@@ -69,9 +69,11 @@ def _source(cache) -> SequenceSource:
     """A cache directory's path becomes its TopKCache; a TopKCache or other sequence source is taken as it is."""
     if isinstance(cache, (str, os.PathLike)) and PATH_OPENER is not None:
         return PATH_OPENER(os.fspath(cache))
-    if not all(hasattr(cache, name) for name in ("sequence_lengths", "document_starts", "__getitem__")):
-        raise TypeError(f"TopKDataset: expected a cache directory's path or a TopKCache, got "
-                        f"{type(cache).__name__}; pass TopKDataset('runs/cache') or TopKDataset(TopKCache(path))")
+    missing = missing_members(cache)
+    if missing:
+        raise TypeError(f"TopKDataset: expected a cache directory's path, a TopKCache or another SequenceSource, got "
+                        f"{type(cache).__name__} (without {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); pass TopKDataset('runs/cache') or "
+                        "TopKDataset(TopKCache(path))")
     return cache
 
 

@@ -24,12 +24,36 @@ PACKINGS = ("documents", "cross", "none")
 
 
 class SequenceSource(Protocol):
-    """What SampleStream reads: a TopKCache (topkd.cache), or a teacher run on the fly (topkd.train.online)."""
+    """Where teacher rows come from: a TopKCache (topkd.cache), or a teacher run on the fly (topkd.train.online).
+    SampleStream, TopKDataset, `topkd train` and KDTrainer read these members and no others."""
+
+    path: str  # where the rows come from: the cache directory, or the online teacher's
+    vocab_size: int  # the teacher's vocabulary (student rows beyond it are padding)
+    k: int  # entries per row (0: the full vocabulary, in id order)
+    seq_len: int  # tokens per sequence as the rows were made (the last may be shorter)
+    temperatures: list[float]  # the T whose c_T each row carries, one logz column each
+    separator: int | None  # the token between packed documents
+    targets: str  # topk | sampled | topp (topkd.cache.build_config.TARGETS)
+    teacher_dir: str  # where the teacher was loaded from
+    tokens: int  # rows of all sequences
+    counted_tokens: int  # rows that count for the loss (chat data: the assistant targets)
 
     def __len__(self) -> int: ...
-    def __getitem__(self, i: int) -> dict: ...  # one sequence's rows: ids, logprobs, logz, input_ids, ...
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...  # one sequence's rows: SEQUENCE_KEYS
     def sequence_lengths(self) -> list[int]: ...
-    def document_starts(self) -> list[np.ndarray]: ...
+    def document_starts(self) -> list[np.ndarray]: ...  # per sequence: where documents begin, 0 first
+    def check_student(self, vocab_size: int, tokenizer=None) -> None: ...  # refuses a student it cannot teach
+    def load_teacher(self): ...  # the teacher (what --init-from-teacher copies layers from)
+
+
+SOURCE_MEMBERS = ("path", "vocab_size", "k", "seq_len", "temperatures", "separator", "targets", "teacher_dir",
+                  "tokens", "counted_tokens", "__len__", "__getitem__", "sequence_lengths", "document_starts",
+                  "check_student", "load_teacher")  # tests/data/test_samples.py holds it to the protocol
+
+
+def missing_members(source) -> list[str]:
+    """The SequenceSource members an object lacks (none: it can be read as one)."""
+    return [name for name in SOURCE_MEMBERS if not hasattr(source, name)]
 
 
 class SampleStream:
@@ -39,11 +63,11 @@ class SampleStream:
     "cross" packs the same way but attends across documents (naive packing, for ablations); "none"
     makes every document (or seq_len piece of one) its own sample, padded to the batch's longest."""
 
-    def __init__(self, source: SequenceSource, seq_len: int, seed: int, temperature_column: int | None = None,
+    def __init__(self, source: SequenceSource, seq_len: int, seed: int, logz_column: int | None = None,
                  packing: str = "documents"):
         if packing not in PACKINGS:
             raise ValueError(f"packing: expected one of {PACKINGS}, got {packing!r}")
-        self.source, self.seq_len, self.seed, self.logz_column = source, seq_len, seed, temperature_column
+        self.source, self.seq_len, self.seed, self.logz_column = source, seq_len, seed, logz_column
         self.packing = packing
         self.lengths = source.sequence_lengths()
         self.units = _document_pieces(source.document_starts(), self.lengths, seq_len) if packing == "none" \
@@ -94,29 +118,32 @@ class SampleStream:
     def item(self, index: int) -> dict[str, torch.Tensor]:
         """Sample `index` (global: epoch * per_epoch + position) unpadded, as topkd.data.TopKDataset gives it."""
         pieces = [self._piece(i, a, e) for i, a, e in self.locate(index)]
-        out = {name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}
-        starts = out.pop("doc_start").nonzero().squeeze(1).numpy() if self.packing != "cross" else [0]
+        out = {name: torch.cat([p[name] for p, _ in pieces]) for name in pieces[0][0]}
+        offsets = np.cumsum([0] + [len(p["input_ids"]) for p, _ in pieces])
+        starts = np.concatenate([s + o for (_, s), o in zip(pieces, offsets)]) if self.packing != "cross" else [0]
         out["position_ids"] = torch.from_numpy(position_ids(len(out["input_ids"]), starts))
         return out
 
     def sample(self, index: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
         return _pad(self.item(index), pad_to or self.seq_len)
 
-    def _piece(self, i: int, a: int, e: int) -> dict[str, torch.Tensor]:
+    def _piece(self, i: int, a: int, e: int) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        """Rows [a, e) of sequence i as sample tensors, and where documents start in them (0 first: a piece cut
+        mid-sequence starts a fresh context, so the student sees less than the teacher there)."""
         row = self._sequence(i)
         ids = row["input_ids"][a:e]
-        doc_start = row["doc_start"][a:e].clone()
-        doc_start[0] = True  # a piece cut mid-sequence starts a fresh context: the student sees less than the teacher
-        mask = row["loss_mask"][a:e].clone() if "loss_mask" in row else torch.ones(e - a, dtype=torch.bool)
+        starts = row["doc_starts"].numpy()
+        starts = np.union1d([0], starts[(starts > a) & (starts < e)] - a)
+        mask = row["row_mask"][a:e].clone() if "row_mask" in row else torch.ones(e - a, dtype=torch.bool)
         if self.separator is not None:
             mask &= ids != self.separator  # the separator's row predicts the next document's first token
         labels = torch.full((e - a,), -100, dtype=torch.long)
         labels[:-1] = torch.where(mask[:-1], ids[1:], -100)
         piece = {"input_ids": ids, "labels": labels, "kd_mask": mask, "teacher_ids": row["teacher_ids"][a:e],
-                 "teacher_logprobs": row["teacher_logprobs"][a:e], "doc_start": doc_start}
+                 "teacher_logprobs": row["teacher_logprobs"][a:e]}
         if self.logz_column is not None:  # c_T for the loss's temperature, only where the loss needs it
             piece["teacher_logz"] = row["logz"][a:e, self.logz_column]
-        return piece
+        return piece, starts
 
     def forget_decoded(self) -> None:
         """Drop the one decoded sequence kept between samples (the next read decodes from the source again)."""
@@ -170,7 +197,7 @@ def _check_sample(sample, i: int) -> None:
         raise ValueError(f"collate: sample {i}: expected torch tensors, got {kinds}; {hint}")
 
 
-def temperature_column(source: SequenceSource, temperature: float | None) -> int | None:
+def logz_column(source: SequenceSource, temperature: float | None) -> int | None:
     """The source's column of c_T for a temperature (None: not needed). Refuses one the cache did not store."""
     if temperature is None:
         return None

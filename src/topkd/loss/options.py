@@ -40,6 +40,11 @@ class LossOptions:
         return self.temperature != 1.0 and self.tail == "bucket"
 
     @property
+    def logz_temperature(self) -> float | None:
+        """The T whose c_T the loss reads from the teacher rows (None: it needs none)."""
+        return self.temperature if self.needs_logz else None
+
+    @property
     def needs_labels(self) -> bool:
         return self.ce_weight > 0
 

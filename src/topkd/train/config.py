@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from topkd import dist
 from topkd.checks import require_device, require_ints, require_path
 from topkd.data.chat import check_train_on
-from topkd.data.samples import PACKINGS, temperature_column
+from topkd.data.samples import PACKINGS
 from topkd.files import write_json_atomic
 from topkd.loss.options import LossOptions
 from topkd.train.report import require_reporter
@@ -237,8 +237,3 @@ def loss_options(cfg: TrainConfig) -> LossOptions:
     """The loss this run trains with (validated: the loss's own rules and messages)."""
     return LossOptions(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
                        ce_weight=cfg.ce_weight, reduction="sum", impl=cfg.impl)
-
-
-def logz_column(source, options: LossOptions) -> int | None:
-    """The source's column holding c_T for the loss's temperature; None when not needed. Refuses a missing one."""
-    return temperature_column(source, options.temperature if options.needs_logz else None)

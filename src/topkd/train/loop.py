@@ -27,7 +27,7 @@ import torch
 from topkd import dist
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
-from topkd.data.samples import SampleStream, count_tokens
+from topkd.data.samples import SampleStream, SequenceSource, count_tokens, logz_column
 from topkd.files import exclusive_lock
 from topkd.loss import loss_parts
 from topkd.memory import process_peak_bytes, reserved_peak_bytes
@@ -35,7 +35,7 @@ from topkd.progress import progress
 from topkd.rows import sampled_targets_problem
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
-from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, logz_column, loss_options
+from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, loss_options
 from topkd.train.lora import save_lora_student
 from topkd.train.online import OnlineTeacher
 from topkd.train.parallel import full_state_dict, scalar, shard_student
@@ -54,14 +54,14 @@ def train(cfg: TrainConfig) -> dict:
     check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
     check_top_k(cfg.top_k, source)
     check_targets(cfg, source)
-    if getattr(source, "counted_tokens", None) == 0:
+    if source.counted_tokens == 0:
         raise ValueError(f"cache {cfg.cache}: expected rows that count for the loss, got 0 of its {source.tokens} "
                          "tokens (chat data without assistant turns); rebuild it with --train-on all, or from "
                          "conversations whose replies have role 'assistant'")
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
     options = loss_options(cfg)
-    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, options), cfg.packing)
+    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, options.logz_temperature), cfg.packing)
     module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
                        cfg.objective, cfg.top_k, torch.bfloat16 if cfg.autocast_bf16 else torch.float32,
                        cfg.fold_beyond_vocab)
@@ -140,9 +140,9 @@ def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg
     return row
 
 
-def check_targets(cfg: TrainConfig, source) -> None:
+def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
     """Sampled targets (count / N of N draws, no tail) make sense only for a forward divergence at T = 1."""
-    if getattr(source, "targets", "topk") != "sampled":
+    if source.targets != "sampled":
         return
     problem = sampled_targets_problem(cfg.divergence, cfg.temperature, cfg.top_k)
     if problem:
@@ -162,7 +162,7 @@ def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> N
     if cfg.steps < cfg.warmup_steps:
         print(f"topkd train: warning: --steps {cfg.steps} is below --warmup-steps {cfg.warmup_steps}: the learning "
               "rate never reaches --lr", file=sys.stderr, flush=True)
-    cached = getattr(stream.source, "seq_len", stream.seq_len)
+    cached = stream.source.seq_len
     if stream.seq_len > cached and stream.packing != "none":
         print(f"topkd train: warning: --seq-len {stream.seq_len} is longer than the cache's {cached}-token sequences: "
               "each sample joins several of them, which the teacher never saw as one context (positions and "
@@ -179,7 +179,7 @@ def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
                          temperatures, cfg.text_field, cfg.max_sequences, cfg.messages_field, cfg.train_on)
 
 
-def check_top_k(top_k: int, source) -> None:
+def check_top_k(top_k: int, source: SequenceSource) -> None:
     """--top-k takes the first N columns, which are the teacher's N most likely tokens only in rank-ordered rows."""
     if top_k and not source.k:
         raise ValueError(f"top_k={top_k}: expected rank-ordered teacher rows (a cache, or --online-k), got "

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from topkd.cache.compat import check_student_fits
+from topkd.cache.engine_rows import EngineRows
 from topkd.cache.teacher import Teacher, tokenizer_hash
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
 from topkd.models import model_head, soft_cap
@@ -58,6 +59,22 @@ class OnlineTeacher:
     def teacher_dir(self) -> str:
         return self.teacher.source
 
+    @property
+    def path(self) -> str:
+        return self.teacher.source  # no cache: the rows come from the teacher itself
+
+    @property
+    def targets(self) -> str:
+        return "topk"  # the teacher's top k exactly (k = 0: top-V, the whole distribution)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.sequence_lengths())
+
+    @property
+    def counted_tokens(self) -> int:
+        return sum(len(s.tokens) if s.row_mask is None else int(s.row_mask.sum()) for s in self.sequences)
+
     def load_teacher(self) -> Teacher:
         """The teacher (already in memory here): what --init-from-teacher copies layers from."""
         return self.teacher
@@ -68,16 +85,14 @@ class OnlineTeacher:
         pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(ids.device)
         temps = tuple(self.temperatures)  # top-K rows through the TeacherEngine interface, as the cache build
         rows = self.teacher.sequence_rows([seq], self.k, temps, 1)[0] if self.k else self._full_rows(ids, pos, temps)
-        doc_start = torch.zeros(len(seq.tokens), dtype=torch.bool)
-        doc_start[torch.from_numpy(seq.doc_starts)] = True
-        mask = {} if seq.row_mask is None else {"loss_mask": torch.from_numpy(seq.row_mask)}  # chat: as the cache
-        return {"input_ids": ids[0].cpu(), "teacher_ids": torch.as_tensor(rows["ids"]),
-                "teacher_logprobs": torch.as_tensor(rows["logprobs"]), "logz": torch.as_tensor(rows["logz"]),
-                "doc_start": doc_start, **mask}
+        mask = {} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}  # chat: as the cache
+        return {"input_ids": ids[0].cpu(), "teacher_ids": torch.as_tensor(rows.ids),
+                "teacher_logprobs": torch.as_tensor(rows.logprobs), "logz": torch.as_tensor(rows.logz),
+                "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)), **mask}
 
     @torch.no_grad()  # not inference_mode: these rows go into the autograd graph of the student's loss
-    def _full_rows(self, ids: torch.Tensor, pos: torch.Tensor, temps: tuple[float, ...]) -> dict[str, torch.Tensor]:
-        """log softmax over the whole vocabulary; c_T = logsumexp(log p / T) per temperature."""
+    def _full_rows(self, ids: torch.Tensor, pos: torch.Tensor, temps: tuple[float, ...]) -> EngineRows:
+        """log softmax over the whole vocabulary (no tail); c_T = logsumexp(log p / T) per temperature."""
         h = self.teacher.hidden_states(ids, pos)[0].float()
         weight, bias = self.teacher.head_fp32
         z = soft_cap(torch.nn.functional.linear(h, weight, bias), model_head(self.teacher.model)[2])
@@ -85,4 +100,6 @@ class OnlineTeacher:
         logz = torch.stack([torch.logsumexp(logprobs / t, dim=-1) for t in temps], 1) if temps else \
             torch.zeros(len(z), 0)
         all_ids = torch.arange(self.vocab_size, dtype=torch.int32).expand(len(z), -1)
-        return {"ids": all_ids.cpu().clone(), "logprobs": logprobs.cpu(), "logz": logz.cpu()}
+        n = len(z)
+        return EngineRows(ids=all_ids.clone().numpy(), logprobs=logprobs.cpu().numpy(), log_mass=np.zeros(n, np.float32),
+                          log_tail=np.full(n, -np.inf, np.float32), logz=logz.cpu().numpy())
