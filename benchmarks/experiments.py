@@ -23,9 +23,9 @@ import statistics
 import subprocess
 import sys
 
+from topkd.bench import stamp
 from topkd.demo import split_texts
-from topkd.eval.run import EvalConfig, run_eval
-from topkd.stamp import stamp
+from topkd.eval import EvalConfig, run_eval
 
 EXPERIMENTS = {
     "fourway": {"online-full": ["--online-k", "0"], "offline-dense": ["--impl", "dense"],

@@ -31,10 +31,19 @@ import torch
 
 import topkd
 from benchmarks.targets import judge_gpu
-from topkd.bench.common import run_json_lines
-from topkd.bench.model import fused_kernels
-from topkd.bench.point import peer_problem, teacher_rows
-from topkd.files import write_json_atomic
+from topkd import bench
+from topkd.bench import (
+    Column,
+    fused_kernels,
+    peer_problem,
+    plot_vs_length,
+    results_table,
+    run_json_lines,
+    series_by_impl,
+    stamp,
+    teacher_rows,
+    write_json_atomic,
+)
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd", "tvd")
 CHECKED = ("fused", "fused:torch", "triton", "chunked", "dense")
@@ -171,8 +180,6 @@ def _writer(out: str, name: str, doc: dict, rows: list[dict], fixed: dict, key_n
 def stage_predict(out: str, s: dict) -> None:
     """The cost model's H200 prediction beside each loss point: from the stored `bench model` run when it has
     the same shapes, else traced now. A point whose prediction fails says why; the others still get theirs."""
-    from topkd.bench import model
-
     doc = _load(out, "loss.json", None)
     if doc is None:
         raise SystemExit("bench gpu: predict: no loss.json (the loss stage wrote nothing)")
@@ -185,8 +192,8 @@ def stage_predict(out: str, s: dict) -> None:
         if r["impl"] in PEERS:
             continue  # not modelled
         try:
-            p = known.get((r["impl"], r["tokens"])) or model.point(r["impl"], r["tokens"], s["vocab"], s["hidden"],
-                                                                  100, torch.bfloat16, model.H200)
+            p = known.get((r["impl"], r["tokens"])) or bench.predict_point(
+                r["impl"], r["tokens"], s["vocab"], s["hidden"], 100, torch.bfloat16, bench.H200)
             r["predicted_s"], r["predicted_peak_bytes"] = p["predicted_s"], p["peak_bytes"]
         except Exception as e:  # a model gap is a note on its row, never the loss of the measurements
             r["prediction_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -212,56 +219,50 @@ def stage_report(out: str, s: dict) -> None:
     print(text, flush=True)
 
 
-def _gib(row: dict, key: str) -> str:
-    return f"{row[key] / 2**30:.2f}" if key in row else ""
+def _gib(key: str):
+    return lambda r: r[key] / 2**30 if key in r else None
 
 
-def _fmt(value, spec: str) -> str:
-    return "" if value is None else format(value, spec)
+def _tflops(r: dict) -> float | None:
+    return r["flops"] / r["time_s"] / 1e12 if r.get("status") == "ok" else None
+
+
+GPU_LOSS_COLUMNS = [
+    Column("impl", 12, lambda r: r["impl"]), Column("tokens", 7, lambda r: r["tokens"]),
+    Column("status", 11, lambda r: r.get("status", "?")), Column("peak GiB", 9, _gib("peak_bytes"), ".2f"),
+    Column("resv GiB", 9, _gib("peak_reserved_bytes"), ".2f"), Column("pred GiB", 9, _gib("predicted_peak_bytes"), ".2f"),
+    Column("time s", 8, lambda r: r.get("time_s"), "8.3f"), Column("pred s", 8, lambda r: r.get("predicted_s"), "8.3f"),
+    Column("meas/pred", 9, lambda r: r.get("measured_over_predicted"), "9.2f"), Column("TFLOP/s", 8, _tflops, "8.1f"),
+]
+
+
+def _train_line(r: dict) -> str:
+    gib = _gib("peak_bytes")(r)
+    reserved = _gib("peak_reserved_bytes")(r)
+    detail = (f"peak {gib:.2f} GiB (reserved {'-' if reserved is None else f'{reserved:.2f}'}), {r['step_s']:.2f} s, "
+              f"{r['tflops']:.0f} TFLOP/s" if r.get("status") == "ok" else r.get("error", ""))
+    return f"  {r['shape']:<10} {r['impl']:<8} {r.get('status', '?'):>7}  {detail}"
 
 
 def report(check: dict, loss_rows: list[dict], train_rows: list[dict], targets: list[dict]) -> str:
-    lines = [f"device: {check['device']}; torch {torch.__version__}; topkd commit {_commit()}", "",
+    lines = [f"device: {check['device']}; torch {torch.__version__}; topkd commit {stamp('cpu')['commit']}", "",
              "check (bf16 vs fp32):"]
     for c in check["impls"]:
         errs = c.get("error") or " ".join(f"{k}={c[k]:.2e}" for k in ("loss", "d_hidden", "d_weight"))
         lines.append(f"  {'PASS' if c['pass'] else 'FAIL'} {c['impl']:<12} {c['divergence']:<10} {errs}")
     gemm = check.get("gemm")
     lines += ["", f"bf16 GEMM: {gemm['tflops']:.0f} TFLOP/s" if gemm else "bf16 GEMM: not measured", "",
-              f"{'impl':<12} {'tokens':>7} {'status':>11} {'peak GiB':>9} {'resv GiB':>9} {'pred GiB':>9} "
-              f"{'time s':>8} {'pred s':>8} {'meas/pred':>9} {'TFLOP/s':>8}"]
-    for r in loss_rows:
-        ok = r.get("status") == "ok"
-        tflops = r["flops"] / r["time_s"] / 1e12 if ok else None
-        lines.append(f"{r['impl']:<12} {r['tokens']:>7} {r.get('status', '?'):>11} {_gib(r, 'peak_bytes'):>9} "
-                     f"{_gib(r, 'peak_reserved_bytes'):>9} {_gib(r, 'predicted_peak_bytes'):>9} "
-                     f"{_fmt(r.get('time_s'), '8.3f'):>8} {_fmt(r.get('predicted_s'), '8.3f'):>8} "
-                     f"{_fmt(r.get('measured_over_predicted'), '9.2f'):>9} {_fmt(tflops, '8.1f'):>8}")
-    lines += ["", "training step (bf16 mixed precision, one sample):"]
-    for r in train_rows:
-        detail = (f"peak {_gib(r, 'peak_bytes')} GiB (reserved {_gib(r, 'peak_reserved_bytes') or '-'}), "
-                  f"{r['step_s']:.2f} s, {r['tflops']:.0f} TFLOP/s" if r.get("status") == "ok" else r.get("error", ""))
-        lines.append(f"  {r['shape']:<10} {r['impl']:<8} {r.get('status', '?'):>7}  {detail}")
+              results_table(loss_rows, GPU_LOSS_COLUMNS, rule=False, failures_in_short=False)]
+    lines += ["", "training step (bf16 mixed precision, one sample):"] + [_train_line(r) for r in train_rows]
     lines += ["", "targets (measured):"]
     lines += [f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}" + (f" at {t['tokens']}" if t["tokens"] else "")
               + (f"  {t['value']:.3f}" if t["value"] is not None else "") for t in targets]
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    from topkd.stamp import stamp
-
-    return stamp("cpu")["commit"]
-
-
 def plot(rows: list[dict], path: str, title: str) -> None:
-    from topkd.bench.common import plot_vs_length
-
-    series, failed = {}, {}
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        ok = [r for r in rows if r["impl"] == impl and r.get("status") == "ok"]
-        series[impl] = ([r["tokens"] for r in ok], [r["peak_bytes"] / 2**30 for r in ok], [r["time_s"] for r in ok])
-        failed[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r.get("status") != "ok"]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    series, failed = series_by_impl(rows, impls, lambda r: r["peak_bytes"] / 2**30, "time_s")
     plot_vs_length(series, failed, ("peak memory (GiB)", "forward+backward (s)"), title, path)
 
 

@@ -26,10 +26,10 @@ import subprocess
 import sys
 import time
 
+from topkd.bench import stamp
 from topkd.cache import CacheBuildConfig, TopKCache, build
 from topkd.demo import hf_teacher, save_cut_student, split_texts
-from topkd.eval.run import EvalConfig, run_eval
-from topkd.stamp import stamp
+from topkd.eval import EvalConfig, run_eval
 
 CACHES = {"top-100": {"k": 100}, "sampled": {"targets": "sampled", "samples": 50},
           "hybrid": {"targets": "sampled", "samples": 50, "head": 8},

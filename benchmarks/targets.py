@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from topkd.loss.fused import DEFAULT_CHUNK_BYTES
+from topkd.loss import DEFAULT_CHUNK_BYTES
 
 
 def target(name: str, tokens, value, limit, ok: bool, note: str = "") -> dict:

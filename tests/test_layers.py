@@ -94,3 +94,41 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circles_even_through_function_level_imports():
     assert cycles(module_graph()) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check can fail
+
+
+BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_scripts_import_only_public_names(path):
+    """benchmarks/ builds on topkd.bench and the packages' exported names (their __all__), never a module's inside:
+    the package's internals can move without breaking the project's own scripts."""
+    import importlib
+    import types
+
+    private = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            private += [a.name for a in node.names if a.name.startswith("topkd.")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "topkd":
+            module = importlib.import_module(node.module)
+            for a in node.names:
+                value = getattr(module, a.name, None)
+                public = a.name in getattr(module, "__all__", ()) or (
+                    isinstance(value, types.ModuleType) and hasattr(value, "__all__"))
+                if not public:
+                    private.append(f"{node.module}.{a.name}")
+    assert not private, f"{path.name} imports {private}: export them from topkd.bench (or the package's __all__)"
+
+
+def test_the_package_never_imports_the_benchmark_scripts():
+    def imports_benchmarks(path: pathlib.Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "benchmarks" for n in names):
+                return True
+        return False
+
+    assert [p.name for p in SRC.rglob("*.py") if imports_benchmarks(p)] == []
+    assert imports_benchmarks(BENCHMARKS / "gpu.py")  # it imports benchmarks.targets: the check can fail

@@ -34,6 +34,9 @@ from topkd.train.student import cut_layers
 HELD_OUT = "hamlet_gut.txt"
 
 
+__all__ = ["DemoConfig", "run_demo", "split_texts", "hf_teacher", "save_cut_student"]  # benchmarks/ builds on these
+
+
 @dataclass
 class DemoConfig:
     out: str = "runs/demo"

@@ -49,7 +49,7 @@ def test_gpu_chunk_rows_amortise_the_weight_and_fit_the_budget():
 
 def test_predicted_h200_shape_at_small_scale():
     """The shape of the issue's claims at a scale CI can trace: fused beats chunked, GEMMs dominate."""
-    rows = [model.point(impl, 8192, 201088, 2880, 100, torch.bfloat16, model.H200)
+    rows = [model.predict_point(impl, 8192, 201088, 2880, 100, torch.bfloat16, model.H200)
             for impl in ("fused", "fused:torch", "chunked")]
     fused, torch_kernels, chunked = rows
     assert fused["predicted_s"] < torch_kernels["predicted_s"] < chunked["predicted_s"]

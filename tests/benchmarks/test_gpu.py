@@ -65,18 +65,18 @@ def test_a_stage_that_crashes_or_hangs_costs_only_itself(tmp_path):
 
 def test_a_failing_prediction_is_noted_on_its_row_and_the_measurements_stay(tmp_path, monkeypatch):
     from benchmarks import gpu
-    from topkd.bench import model
+    from topkd import bench
 
     rows = [{"impl": impl, "tokens": 257, "status": "ok", "time_s": 0.5, "flops": 1} for impl in ("fused", "dense")]
     gpu._dump(str(tmp_path), "loss.json", {"bench": "gpu", "points": rows})
-    real_point = model.point
+    real_point = bench.predict_point
 
     def point(impl, *args):
         if impl == "dense":
             raise RuntimeError("no meta kernel for this op")
         return real_point(impl, *args)
 
-    monkeypatch.setattr(model, "point", point)
+    monkeypatch.setattr(bench, "predict_point", point)
     monkeypatch.setattr(gpu, "MODEL_H200", str(tmp_path / "absent.json"))
     gpu.stage_predict(str(tmp_path), gpu.SMOKE)
     fused, dense = json.load(open(tmp_path / "loss.json"))["points"]

@@ -1,4 +1,5 @@
-"""What every benchmark driver shares: a measurement in a fresh process, and memory/time-vs-length plots."""
+"""What every benchmark driver shares: a measurement in a fresh process, an allocation failure as a result row,
+the results table, and memory/time-vs-length plots."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,10 @@ import selectors
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 
 def run_json_process(cmd: list[str], timeout_s: float, env: dict) -> dict:
@@ -97,3 +102,63 @@ def plot_vs_length(series: dict[str, tuple[list, list, list]], oom: dict[str, li
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a results table: its title, width, the row's value (None: blank) and its format spec."""
+
+    title: str
+    width: int
+    value: Callable[[dict], object]
+    spec: str = ""
+
+    def cell(self, row: dict, first: bool) -> str:
+        value = self.value(row)
+        text = "" if value is None else format(value, self.spec)
+        return f"{text:<{self.width}}" if first else f"{text:>{self.width}}"
+
+
+def results_table(rows: list[dict], columns: list[Column], keys: int = 2, rule: bool = True,
+                  failures_in_short: bool = True) -> str:
+    """Every benchmark's table: a header (and a rule), then one line per row. failures_in_short: a row whose status
+    is not "ok" shows its first `keys` columns and its status in capitals, nothing after."""
+    head = " ".join([f"{c.title:<{c.width}}" if i == 0 else f"{c.title:>{c.width}}" for i, c in enumerate(columns)])
+    lines = [head, "-" * len(head)] if rule else [head]
+    for r in rows:
+        if failures_in_short and r.get("status", "ok") != "ok":
+            status = f"{r.get('status', '?').upper():>{columns[keys].width}}"
+            lines.append(" ".join([c.cell(r, i == 0) for i, c in enumerate(columns[:keys])] + [status]))
+        else:
+            lines.append(" ".join([c.cell(r, i == 0) for i, c in enumerate(columns)]))
+    return "\n".join(lines)
+
+
+def series_by_impl(rows: list[dict], impls, memory_gib: Callable[[dict], float], time_key: str
+                   ) -> tuple[dict[str, tuple[list, list, list]], dict[str, list[int]]]:
+    """plot_vs_length's inputs from result rows: per impl its ok points by length (memory in GiB, and the seconds
+    of those that have time_key), and the lengths where it did not run (OOM, timeout, error)."""
+    series, failed = {}, {}
+    for impl in impls:
+        ok = sorted((r for r in rows if r["impl"] == impl and r.get("status") == "ok"), key=lambda r: r["tokens"])
+        timed = [r[time_key] for r in ok if time_key in r]
+        series[impl] = ([r["tokens"] for r in ok], [memory_gib(r) for r in ok], timed)
+        failed[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r.get("status") != "ok"]
+    return series, failed
+
+
+def skipped_after_oom(rows: list[dict], impl: str, tokens: int) -> dict | None:
+    """The row for a point not worth running: its impl already ran out of memory at a shorter length."""
+    if any(r["impl"] == impl and r["status"] == "oom" and r["tokens"] < tokens for r in rows):
+        return {"status": "oom", "error": "skipped: OOM at a shorter length"}
+    return None
+
+
+def out_of_memory(e: BaseException) -> dict | None:
+    """An exception as a result row if it is an allocation failure (CUDA, Python, or a CPU allocator hitting the
+    address-space cap); None for anything else, which the caller re-raises."""
+    message = str(e)
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+            isinstance(e, RuntimeError) and ("can't allocate memory" in message or "out of memory" in message.lower())):
+        return {"status": "oom", "error": message.splitlines()[0][:200] if message else type(e).__name__}
+    return None

@@ -17,7 +17,14 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from topkd.bench.common import plot_vs_length, run_json_process
+from topkd.bench.common import (
+    Column,
+    plot_vs_length,
+    results_table,
+    run_json_process,
+    series_by_impl,
+    skipped_after_oom,
+)
 from topkd.bench.point import KD_IMPLS, PEERS
 from topkd.loss.fused import DEFAULT_CHUNK_BYTES
 from topkd.progress import track, wrote
@@ -104,18 +111,18 @@ def add_ratios(rows: list[dict], chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES) 
                 r["mem_vs_fused"] = r["peak_bytes"] / f["peak_bytes"]
 
 
+NAN = float("nan")
+LOSS_COLUMNS = [
+    Column("impl", 10, lambda r: r["impl"]), Column("tokens", 7, lambda r: r["tokens"]),
+    Column("peak GiB", 9, lambda r: r["peak_bytes"] / 2**30, ".3f"), Column("/floor", 7, lambda r: r["mem_over_floor"], ".2f"),
+    Column("time s", 8, lambda r: r["time_s"], ".2f"), Column("/gemm", 6, lambda r: r["time_over_floor"], ".2f"),
+    Column("GFLOP/s", 8, lambda r: r["gflops"], ".1f"), Column("mem/fused", 9, lambda r: r.get("mem_vs_fused", NAN), ".2f"),
+    Column("time/fused", 10, lambda r: r.get("time_vs_fused", NAN), ".2f"),
+]
+
+
 def table(rows: list[dict]) -> str:
-    head = f"{'impl':<10} {'tokens':>7} {'peak GiB':>9} {'/floor':>7} {'time s':>8} {'/gemm':>6} " \
-           f"{'GFLOP/s':>8} {'mem/fused':>9} {'time/fused':>10}"
-    lines = [head, "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["tokens"], r["impl"])):
-        if r["status"] != "ok":
-            lines.append(f"{r['impl']:<10} {r['tokens']:>7} {r['status'].upper():>9}")
-            continue
-        lines.append(f"{r['impl']:<10} {r['tokens']:>7} {r['peak_bytes'] / 2**30:>9.3f} {r['mem_over_floor']:>7.2f} "
-                     f"{r['time_s']:>8.2f} {r['time_over_floor']:>6.2f} {r['gflops']:>8.1f} "
-                     f"{r.get('mem_vs_fused', float('nan')):>9.2f} {r.get('time_vs_fused', float('nan')):>10.2f}")
-    return "\n".join(lines)
+    return results_table(sorted(rows, key=lambda r: (r["tokens"], r["impl"])), LOSS_COLUMNS)
 
 
 def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
@@ -134,12 +141,8 @@ def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
 
 
 def plot(rows: list[dict], cfg: LossBenchConfig, meta: dict, path: str) -> None:
-    series, oom = {}, {}
-    for impl in cfg.impls:
-        ok = sorted((r for r in rows if r["impl"] == impl and r["status"] == "ok"), key=lambda r: r["tokens"])
-        series[impl] = ([r["tokens"] for r in ok], [r["peak_bytes"] / 2**30 for r in ok], [r["time_s"] for r in ok])
-        oom[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r["status"] == "oom"]
-    plot_vs_length(series, oom, ("peak memory (GiB)", "forward+backward (s)"),
+    series, failed = series_by_impl(rows, cfg.impls, lambda r: r["peak_bytes"] / 2**30, "time_s")
+    plot_vs_length(series, failed, ("peak memory (GiB)", "forward+backward (s)"),
                    f"KD loss, V={cfg.vocab} H={cfg.hidden} K={cfg.k} {cfg.dtype} on {meta['machine']} "
                    f"({meta['commit']}); dotted: OOM", path)
 
@@ -163,10 +166,8 @@ def run_loss_bench(cfg: LossBenchConfig) -> dict:
     points = [(impl, n) for n in cfg.lengths for impl in cfg.impls]
     rows = []
     for impl, n in track(points, desc="bench loss", unit="point"):
-        if any(r["impl"] == impl and r["status"] == "oom" and r["tokens"] < n for r in rows):
-            rows.append({"impl": impl, "tokens": n, "status": "oom", "error": "skipped: OOM at a shorter length"})
-            continue
-        rows.append(run_point(cfg, impl, n))
+        skipped = skipped_after_oom(rows, impl, n)
+        rows.append({"impl": impl, "tokens": n, **skipped} if skipped else run_point(cfg, impl, n))
     add_ratios(rows)
     print(table(rows))
     summary = write_outputs(rows, cfg, meta)

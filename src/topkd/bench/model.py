@@ -1,6 +1,6 @@
 """A cost model of the loss: trace one call of each impl, price every op on a named device.
 
-    point("fused", 32768, 201088, 2880, 100, torch.bfloat16, H200)   # predicted time, TFLOP/s, peak of one call
+    predict_point("fused", 32768, 201088, 2880, 100, torch.bfloat16, H200)   # predicted time, TFLOP/s, peak of one call
 
 `topkd bench model` (topkd/bench/model_command.py) runs it for predictions, and against this machine's
 `bench loss` with --calibrate (topkd/bench/calibrate.py).
@@ -113,8 +113,8 @@ def _trace(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtyp
     return trace.ops, trace.peak_bytes + input_bytes
 
 
-def point(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, profile: DeviceProfile,
-          ops: list[Op] | None = None, peak: int | None = None) -> dict:
+def predict_point(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, profile: DeviceProfile,
+                  ops: list[Op] | None = None, peak: int | None = None) -> dict:
     """One predicted point: time, TFLOP/s at 6NVH, ratio to the three-GEMM floor, peak memory."""
     if ops is None:
         ops, peak = trace_impl(impl, n, vocab, hidden, k, dtype)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from topkd.bench.model import H200, DeviceProfile, point
+from topkd.bench.model import H200, DeviceProfile, predict_point
 
 
 @dataclass
@@ -81,7 +81,7 @@ def predict_points(cfg: ModelBenchConfig) -> list[dict]:
     for n in cfg.lengths:
         for impl in cfg.impls:
             try:
-                rows.append(point(impl, n, cfg.vocab, cfg.hidden, cfg.k, getattr(torch, cfg.dtype),
+                rows.append(predict_point(impl, n, cfg.vocab, cfg.hidden, cfg.k, getattr(torch, cfg.dtype),
                                   profile_for(cfg)))
             except (ValueError, ImportError) as e:
                 rows.append({"impl": impl, "tokens": n, "error": str(e)[:200]})

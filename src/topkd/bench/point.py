@@ -26,6 +26,7 @@ import time
 import torch
 
 import topkd
+from topkd.bench.common import out_of_memory
 from topkd.loss.chunk import LossSpec
 from topkd.loss.fused import chunk_rows
 from topkd.memory import reserved_peak_bytes, status_kib
@@ -230,12 +231,11 @@ def one_point(a, n: int) -> dict:
         row["status"] = "ok"
     except ImportError as e:  # a peer that is not installed
         row = {"impl": a.impl, "tokens": n, "status": "unavailable", "error": str(e)[:200]}
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        row = {"impl": a.impl, "tokens": n, "status": "oom", "error": str(e).splitlines()[0][:200]}
-    except RuntimeError as e:
-        if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        oom = out_of_memory(e)
+        if oom is None:
             raise
-        row = {"impl": a.impl, "tokens": n, "status": "oom", "error": str(e).splitlines()[0][:200]}
+        row = {"impl": a.impl, "tokens": n, **oom}
     return row
 
 

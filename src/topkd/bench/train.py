@@ -17,7 +17,14 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from topkd.bench.common import plot_vs_length, run_json_process
+from topkd.bench.common import (
+    Column,
+    plot_vs_length,
+    results_table,
+    run_json_process,
+    series_by_impl,
+    skipped_after_oom,
+)
 from topkd.bench.train_point import SHAPES
 from topkd.progress import progress, wrote
 from topkd.stamp import stamp
@@ -65,10 +72,8 @@ def measure(cfg: TrainBenchConfig) -> dict:
     bar = progress(total=len(cfg.lengths) * (len(cfg.impls) + 1) + 1, desc="bench train", unit="run")
     for n in cfg.lengths:
         for impl in cfg.impls:
-            if any(r["impl"] == impl and r["status"] == "oom" for r in memory):
-                row = {"status": "oom", "error": "skipped: OOM at a shorter length"}
-            else:
-                row = _point(cfg, "--phase", "memory", "--impls", impl, "--tokens", str(n))
+            row = skipped_after_oom(memory, impl, n) or _point(cfg, "--phase", "memory", "--impls", impl, "--tokens",
+                                                               str(n))
             memory.append({**row, "impl": impl, "tokens": n})
             bar.update(1)
         fits = [r["impl"] for r in memory if r["tokens"] == n and r["status"] == "ok"]
@@ -104,19 +109,18 @@ def rows_by_point(result: dict) -> list[dict]:
     return rows
 
 
+NAN = float("nan")
+TRAIN_COLUMNS = [
+    Column("impl", 8, lambda r: r["impl"]), Column("tokens", 7, lambda r: r["tokens"]),
+    Column("peak GiB", 9, lambda r: r["process_peak_gib"], ".2f"), Column("step GiB", 9, lambda r: r["step_peak_gib"], ".2f"),
+    Column("step s", 8, lambda r: r.get("step_s", NAN), ".1f"), Column("tok/s", 7, lambda r: r.get("tokens_per_s", NAN), ".0f"),
+    Column("mem/fused", 9, lambda r: r.get("mem_vs_fused", NAN), ".2f"),
+    Column("time/fused", 10, lambda r: r.get("time_vs_fused", NAN), ".3f"),
+]
+
+
 def table(rows: list[dict]) -> str:
-    head = f"{'impl':<8} {'tokens':>7} {'peak GiB':>9} {'step GiB':>9} {'step s':>8} {'tok/s':>7} " \
-           f"{'mem/fused':>9} {'time/fused':>10}"
-    lines = [head, "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["tokens"], r["impl"])):
-        if r["status"] != "ok":
-            lines.append(f"{r['impl']:<8} {r['tokens']:>7} {r['status'].upper():>9}")
-            continue
-        nan = float("nan")
-        lines.append(f"{r['impl']:<8} {r['tokens']:>7} {r['process_peak_gib']:>9.2f} {r['step_peak_gib']:>9.2f} "
-                     f"{r.get('step_s', nan):>8.1f} {r.get('tokens_per_s', nan):>7.0f} "
-                     f"{r.get('mem_vs_fused', nan):>9.2f} {r.get('time_vs_fused', nan):>10.3f}")
-    return "\n".join(lines)
+    return results_table(sorted(rows, key=lambda r: (r["tokens"], r["impl"])), TRAIN_COLUMNS)
 
 
 def write_outputs(cfg: TrainBenchConfig, result: dict, rows: list[dict], meta: dict) -> None:
@@ -133,17 +137,11 @@ def write_outputs(cfg: TrainBenchConfig, result: dict, rows: list[dict], meta: d
 
 
 def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None:
-    series, oom = {}, {}
-    for impl in cfg.impls:
-        ok = sorted((r for r in rows if r["impl"] == impl and r["status"] == "ok"), key=lambda r: r["tokens"])
-        timed = [r for r in ok if "step_s" in r]
-        series[impl] = ([r["tokens"] for r in ok], [r["process_peak_gib"] for r in ok], [r["step_s"] for r in timed])
-        oom[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r["status"] == "oom"]
-    plot_vs_length(series, oom, ("peak process memory (GiB); x: OOM", "training step (s)"),
+    series, failed = series_by_impl(rows, cfg.impls, lambda r: r["process_peak_gib"], "step_s")
+    plot_vs_length(series, failed, ("peak process memory (GiB); x: OOM", "training step (s)"),
                    f"training step, {cfg.shape}-shaped student ({cfg.layers} layers, "
-                   f"V={SHAPES[cfg.shape][2]['vocab_size']:,}), "
-                   f"{meta['machine']} "
-                   f"({meta['commit']})", path, oom_level=cfg.mem_limit_gib)
+                   f"V={SHAPES[cfg.shape][2]['vocab_size']:,}), {meta['machine']} ({meta['commit']})", path,
+                   oom_level=cfg.mem_limit_gib)
 
 
 def run_train_bench(cfg: TrainBenchConfig) -> dict:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 import topkd
+from topkd.bench.common import out_of_memory
 from topkd.bench.point import PeakMemory, teacher_rows
 from topkd.data.samples import SampleStream
 from topkd.loss import LossOptions
@@ -163,7 +164,7 @@ def measure_device(shape: str, impls: list[str], tokens: int, layers: int, repea
             row.update(status="ok", peak_bytes=memory.peak() + memory.base, **memory.reserved(),
                        step_s=statistics.median(times), tflops=flops / statistics.median(times) / 1e12)
         except torch.OutOfMemoryError as e:
-            row.update(status="oom", error=str(e).splitlines()[0][:200])
+            row.update(out_of_memory(e))
         optimizer.zero_grad(set_to_none=True)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -251,12 +252,11 @@ def main(argv=None) -> None:
         else:
             row.update(measure_loading(a.shape, a.tokens, a.batch, a.layers, a.repeats))
         row["status"] = "ok"
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        row.update(status="oom", error=str(e).splitlines()[0][:200])
-    except RuntimeError as e:
-        if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        oom = out_of_memory(e)
+        if oom is None:
             raise
-        row.update(status="oom", error=str(e).splitlines()[0][:200])
+        row.update(oom)
     print(json.dumps(row), flush=True)
 
 
