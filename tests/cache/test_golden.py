@@ -22,11 +22,14 @@ def golden_sequences():
     lp = np.array([[-0.5, -1.5, -2.0], [-0.1, -3.0, -9.0], [-1.5, -1.5, -1.75]], dtype=np.float32)
     mass = np.log(np.exp(lp.astype(np.float64)).sum(1))
     tail = np.log1p(-np.exp(mass))
-    seq = lambda a, b, src, starts: TeacherSequence(  # noqa: E731
-        input_ids=np.array([5, 6, 7])[a:b], ids=ids[a:b], logprobs=lp[a:b], log_mass=mass[a:b].astype(np.float32),
-        log_tail=tail[a:b].astype(np.float32), logz=np.full((b - a, 1), 0.25, np.float32),
-        doc_starts=np.array(starts), source_index=src, token_offset=a,
-        log_mass_t=np.full((b - a, 1), -0.125, np.float32))
+
+    def seq(a: int, b: int, src: int, starts: list[int]) -> TeacherSequence:
+        return TeacherSequence(
+            input_ids=np.array([5, 6, 7])[a:b], ids=ids[a:b], logprobs=lp[a:b], log_mass=mass[a:b].astype(np.float32),
+            log_tail=tail[a:b].astype(np.float32), logz=np.full((b - a, 1), 0.25, np.float32),
+            doc_starts=np.array(starts), source_index=src, token_offset=a,
+            log_mass_t=np.full((b - a, 1), -0.125, np.float32))
+
     return [seq(0, 2, 0, [0, 1]), seq(2, 3, 1, [0])]
 
 

@@ -36,7 +36,10 @@ def axolotl_0_18_loss(model, rows: list[dict]) -> tuple[float, float, int]:
     valid top-K entries of the teacher's log-probs against the student's full-vocabulary log-probs; CE of hidden
     j against labels[j + 1]. Returns (KD sum, CE sum, valid rows). Axolotl itself is not installed here."""
     longest = max(len(r["input_ids"]) for r in rows)
-    pad = lambda r, key, fill: r[key] + [fill] * (longest - len(r[key]))  # noqa: E731
+
+    def pad(r: dict, key: str, fill) -> list:
+        return r[key] + [fill] * (longest - len(r[key]))
+
     k = len(rows[0]["target_token_ids"][0])
     ids = torch.tensor([pad(r, "target_token_ids", [0] * k) for r in rows])
     lp = torch.tensor([pad(r, "target_logprobs", [-1e9] * k) for r in rows], dtype=torch.float32)

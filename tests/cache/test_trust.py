@@ -256,8 +256,7 @@ def test_damaged_sidecar_in_an_unfinished_build_is_redone(built_cache, teacher_d
     elif how in ("tokens", "counted"):
         _edit_sidecar(root, 1, lambda side: side.update({how: side[how] + 1}))
     else:
-        flip = lambda h: ("1" if h[7] == "0" else "0").join((h[:7], h[8:]))  # noqa: E731
-        _edit_sidecar(root, 1, lambda side: side.update(build_hash=flip(side["build_hash"])))
+        _edit_sidecar(root, 1, lambda side: side.update(build_hash=_flip_digit(side["build_hash"], 7)))
     build(cache_config(teacher_dir, text_file, root))
     assert _digests(root) == _digests(Path(built_cache))
     assert TopKCache(str(root)).verify() == [] and len(TopKCache(str(root))[4]["input_ids"]) > 0
@@ -348,3 +347,8 @@ def test_a_damaged_stored_tokenizer_is_reported_and_never_blames_the_student(cac
     res = subprocess.run([sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy], capture_output=True,
                          text=True, env=SUBPROCESS_ENV)
     assert res.returncode != 0 and "tokenizer/tokenizer.json" in res.stdout + res.stderr
+
+
+def _flip_digit(digest: str, i: int) -> str:
+    """The hex digest with its i-th digit changed (0 <-> 1 or anything -> 0): a different, well-formed digest."""
+    return ("1" if digest[i] == "0" else "0").join((digest[:i], digest[i + 1:]))

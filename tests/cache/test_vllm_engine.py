@@ -74,7 +74,10 @@ def fake_vllm(monkeypatch):
 
 
 def test_conversion_drops_the_extra_entry_and_shifts_rows_by_one():
-    lp = lambda *pairs: {t: Logprob(v, r) for t, v, r in pairs}  # noqa: E731
+
+    def lp(*entries: tuple) -> dict:
+        return {t: Logprob(v, r) for t, v, r in entries}
+
     prompt = [5, 9, 2]
     recorded = [None, lp((9, -0.1, 1), (3, -2.5, 2)), lp((7, -0.3, 1), (4, -1.5, 2), (2, -6.0, 9))]
     after = lp((4, -0.2, 1), (1, -1.9, 2))

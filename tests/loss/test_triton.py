@@ -64,8 +64,11 @@ def test_triton_bf16_matches_fused_bf16():
 
 def test_triton_refuses_what_its_kernels_do_not_compute(monkeypatch):
     pb = make_problem()
-    call = lambda **kw: topkd.fused_linear_kd(pb["x"].float(), pb["w"].float(), pb["ids"], pb["logprobs"].float(),  # noqa: E731
-                                              impl="triton", **kw)
+
+    def call(**kw):
+        return topkd.fused_linear_kd(pb["x"].float(), pb["w"].float(), pb["ids"], pb["logprobs"].float(), impl="triton",
+                                     **kw)
+
     with pytest.raises(ValueError, match="untempered softmax"):
         call(labels=pb["labels"], ce_weight=0.1, temperature=2.0, tail="renorm")
     with pytest.raises(ValueError, match="got float64; use impl='fused'"):

@@ -92,7 +92,10 @@ def make_inputs(impl: str, n: int, vocab: int, hidden: int, k: int, dtype, devic
     """Inputs drawn on the device itself (a CPU draw of 256K x 2,880 normals takes ~10 s per process)."""
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(1)
-    draw = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)  # noqa: E731
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
     x = draw(n, hidden).requires_grad_()
     w = draw(vocab, hidden, scale=hidden**-0.5).requires_grad_()
     inputs = {"x": x, "w": w}

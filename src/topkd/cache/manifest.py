@@ -255,10 +255,14 @@ def file_sums_problems(directory: str, sums: dict, label: str) -> list[str]:
 
 
 def _check_file_sums(sums, where: str) -> None:
-    plain = lambda n: isinstance(n, str) and n not in ("", ".", "..") and "/" not in n  # noqa: E731
-    need(isinstance(sums, dict) and all(plain(n) and isinstance(v, dict) and _is_int(v.get("bytes"), 0)
+    need(isinstance(sums, dict) and all(_plain_name(n) and isinstance(v, dict) and _is_int(v.get("bytes"), 0)
                                         and _is_hex(v.get("sha256")) for n, v in sums.items()),
          f"{where}: expected {{file name: {{bytes, sha256}}}}, got {str(sums)[:80]}; rerun the build to rewrite it")
+
+
+def _plain_name(n) -> bool:
+    """A file name with no directory part (nothing that walks out of the cache)."""
+    return isinstance(n, str) and n not in ("", ".", "..") and "/" not in n
 
 
 def _check_fingerprint(fp: dict, path: str) -> None:

@@ -157,10 +157,14 @@ def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> EngineRows:
     logprobs = values - log_total[:, None]
     logz = [log_sums[i] - log_total / t for i, t in enumerate(temperatures)]
     log_mass_t = [torch.logsumexp(logprobs / t, dim=1) - c for t, c in zip(temperatures, logz)]  # exact head at T
-    stack = lambda cols: torch.stack(cols, 1).numpy() if cols else np.zeros((n, 0), np.float32)  # noqa: E731
     return EngineRows(ids=ids.to(torch.int32).numpy(), logprobs=logprobs.numpy(),
                       log_mass=torch.logsumexp(logprobs, dim=1).numpy(), log_tail=(log_tail - log_total).numpy(),
-                      logz=stack(logz), log_mass_t=stack(log_mass_t))
+                      logz=_columns(logz, n), log_mass_t=_columns(log_mass_t, n))
+
+
+def _columns(cols: list[Tensor], n: int) -> np.ndarray:
+    """Per-temperature [n] columns as one [n, T] array ([n, 0] for none)."""
+    return torch.stack(cols, 1).numpy() if cols else np.zeros((n, 0), np.float32)
 
 
 def split_rows(flat: EngineRows, n_seqs: int, length: int) -> list[EngineRows]:
