@@ -60,6 +60,7 @@ demo: $(STAMP) $(ASSETS)/.done
 
 test: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks
+	.venv/bin/ruff format --check src tests benchmarks
 	$(PY) -m pytest
 
 test-compat: $(COMPAT)/.installed

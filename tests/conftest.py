@@ -2,6 +2,7 @@
 
 Triton kernels run on this CPU-only suite through Triton's interpreter, which must be chosen before
 triton is first imported (tests/loss/test_triton.py)."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -33,8 +34,16 @@ def text_file(tmp_path_factory):
 
 
 def cache_config(teacher_dir, text_file, out, **kw) -> CacheBuildConfig:
-    opts = dict(teacher=teacher_dir, data=[text_file], out=str(out), seq_len=48, k=16, seqs_per_shard=4,
-                batch_size=3, temperatures=[2.0])
+    opts = dict(
+        teacher=teacher_dir,
+        data=[text_file],
+        out=str(out),
+        seq_len=48,
+        k=16,
+        seqs_per_shard=4,
+        batch_size=3,
+        temperatures=[2.0],
+    )
     opts.update(kw)
     return CacheBuildConfig(**opts)
 

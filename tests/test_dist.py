@@ -1,5 +1,6 @@
 """topkd.dist device placement under NCCL, with a fake NCCL (CPU CI has only gloo): every rank binds its own
 GPU from LOCAL_RANK before the process group exists, and collectives go to that GPU, never cuda:0."""
+
 import torch
 import torch.distributed as tdist
 
@@ -12,7 +13,9 @@ def test_init_binds_local_rank_before_the_process_group(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(tdist, "is_initialized", lambda: bool(calls))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-    monkeypatch.setattr(tdist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(
+        tdist, "init_process_group", lambda backend, **kw: calls.append((backend, kw))
+    )
     monkeypatch.setattr(tdist, "get_rank", lambda group=None: 3)
     assert dist.init("cuda") == (3, 4)
     assert calls == [("set_device", 3), ("nccl", {"device_id": torch.device("cuda", 3)})]

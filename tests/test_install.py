@@ -5,6 +5,7 @@
 The dry run asks pip what `pip install -e .` would do in the environment running the suite (the user's torch,
 transformers and numpy already installed): it must install none of them.
 """
+
 import json
 import os
 import subprocess
@@ -31,7 +32,9 @@ def _pins(name: str) -> dict[str, Version]:
         line = line.split("#")[0].strip()
         if line:
             req = Requirement(line)
-            pins[req.name.lower().replace("_", "-")] = Version(str(req.specifier).removeprefix("=="))
+            pins[req.name.lower().replace("_", "-")] = Version(
+                str(req.specifier).removeprefix("==")
+            )
     return pins
 
 
@@ -42,29 +45,57 @@ def _lower_bound(req: Requirement) -> Version:
 
 
 def test_the_library_declares_ranges_not_pins():
-    for req in _requirements() + [r for e in ("dev", "triton", "eval", "hf") for r in _requirements(e)]:
-        assert all(s.operator == ">=" for s in req.specifier), f"{req}: a library declares ranges, not pins"
+    for req in _requirements() + [
+        r for e in ("dev", "triton", "eval", "hf") for r in _requirements(e)
+    ]:
+        assert all(s.operator == ">=" for s in req.specifier), (
+            f"{req}: a library declares ranges, not pins"
+        )
 
 
 def test_the_oldest_environment_pins_every_dependency_at_its_lower_bound():
     oldest = _pins("oldest.txt")
     for req in _requirements() + _requirements("dev"):
-        assert oldest[req.name] == _lower_bound(req) or req.name in ("pytest", "ruff"), \
+        assert oldest[req.name] == _lower_bound(req) or req.name in ("pytest", "ruff"), (
             f"{req}: constraints/oldest.txt has {oldest[req.name]}, not the declared lower bound"
+        )
 
 
 @pytest.mark.parametrize("lock", ["test.txt", "oldest.txt"])
 def test_each_lock_satisfies_the_declared_ranges(lock):
     pins = _pins(lock)
-    for req in _requirements() + _requirements("dev") + (_requirements("hf") if lock == "test.txt" else []):
-        assert req.specifier.contains(pins[req.name], prereleases=True), f"{lock}: {req.name} {pins[req.name]}"
+    for req in (
+        _requirements() + _requirements("dev") + (_requirements("hf") if lock == "test.txt" else [])
+    ):
+        assert req.specifier.contains(pins[req.name], prereleases=True), (
+            f"{lock}: {req.name} {pins[req.name]}"
+        )
 
 
 def test_installing_keeps_the_torch_transformers_and_numpy_already_installed(tmp_path):
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}  # what a user's pip sees
-    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check",
-                    "--report", str(report), "-e", ROOT], check=True, timeout=600, env=env, cwd=tmp_path)
-    would_install = {item["metadata"]["name"].lower() for item in json.load(open(report))["install"]}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--report",
+            str(report),
+            "-e",
+            ROOT,
+        ],
+        check=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    would_install = {
+        item["metadata"]["name"].lower() for item in json.load(open(report))["install"]
+    }
     assert not would_install & USER_STACK, f"pip would replace {sorted(would_install & USER_STACK)}"
     assert "topkd" in would_install

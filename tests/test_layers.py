@@ -1,11 +1,24 @@
 """docs/architecture.md's layer rules, enforced: no module imports a layer above its own."""
+
 import ast
 import pathlib
 
 import pytest
 
 SRC = pathlib.Path(__file__).parents[1] / "src" / "topkd"
-BASE = {"files", "memory", "stamp", "progress", "signals", "checks", "dist", "tiles", "trace", "rows", "version"}
+BASE = {
+    "files",
+    "memory",
+    "stamp",
+    "progress",
+    "signals",
+    "checks",
+    "dist",
+    "tiles",
+    "trace",
+    "rows",
+    "version",
+}
 LAYERS = {  # layer -> the layers it may import (base is always allowed)
     "data": set(),
     "loss": set(),
@@ -29,7 +42,11 @@ def layer_of(module: str) -> str:
 def imports(path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text())
     found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    found |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    found |= {
+        n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+    }
     return {m for m in found if m == "topkd" or m.startswith("topkd.")}
 
 
@@ -47,8 +64,10 @@ def test_no_module_imports_a_layer_above_its_own(path):
 def module_graph() -> dict[str, set[str]]:
     """topkd module -> the topkd modules it imports, function-level imports included; `from pkg import sub` is an
     edge to the submodule, and a module's import of its own package's facade (__init__) is left out."""
-    modules = {"topkd." + ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in SRC.rglob("*.py")}
+    modules = {
+        "topkd." + ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in SRC.rglob("*.py")
+    }
     graph = {}
     for module, path in modules.items():
         found = set()
@@ -58,7 +77,11 @@ def module_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
                 found |= subs or {node.module}
-        facades = {m for m in found if modules.get(m, SRC).name == "__init__.py" and module.startswith(m + ".")}
+        facades = {
+            m
+            for m in found
+            if modules.get(m, SRC).name == "__init__.py" and module.startswith(m + ".")
+        }
         graph[module] = (found & modules.keys()) - facades - {module}
     return graph
 
@@ -93,7 +116,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circles_even_through_function_level_imports():
     assert cycles(module_graph()) == []
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check can fail
+    # the check can fail
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
@@ -110,25 +134,38 @@ def test_benchmark_scripts_import_only_public_names(path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             private += [a.name for a in node.names if a.name.startswith("topkd.")]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "topkd":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "topkd"
+        ):
             module = importlib.import_module(node.module)
             for a in node.names:
                 value = getattr(module, a.name, None)
                 public = a.name in getattr(module, "__all__", ()) or (
-                    isinstance(value, types.ModuleType) and hasattr(value, "__all__"))
+                    isinstance(value, types.ModuleType) and hasattr(value, "__all__")
+                )
                 if not public:
                     private.append(f"{node.module}.{a.name}")
-    assert not private, f"{path.name} imports {private}: export them from topkd.bench (or the package's __all__)"
+    assert not private, (
+        f"{path.name} imports {private}: export them from topkd.bench (or the package's __all__)"
+    )
 
 
 def test_the_package_never_imports_the_benchmark_scripts():
     def imports_benchmarks(path: pathlib.Path) -> bool:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n.split(".")[0] == "benchmarks" for n in names):
                 return True
         return False
 
     assert [p.name for p in SRC.rglob("*.py") if imports_benchmarks(p)] == []
-    assert imports_benchmarks(BENCHMARKS / "gpu.py")  # it imports benchmarks.targets: the check can fail
+    # it imports benchmarks.targets: the check can fail
+    assert imports_benchmarks(BENCHMARKS / "gpu.py")

@@ -1,5 +1,6 @@
 """Progress off a terminal: a line on time from a timer (not only when a unit of work ends), skipped work out of
 the rate, train's line showing the step it counts, the build counting teacher batches as they finish."""
+
 import re
 import time
 
@@ -29,7 +30,9 @@ def test_skipped_work_is_counted_but_not_in_the_rate(monkeypatch):
     assert "950/1,000 tok (95%)" in line and 4.9 < rate < 5.1 and "ETA 10s" in line
 
 
-def test_train_progress_shows_the_loss_of_the_step_it_counts(built_cache, tmp_path, monkeypatch, capfd):
+def test_train_progress_shows_the_loss_of_the_step_it_counts(
+    built_cache, tmp_path, monkeypatch, capfd
+):
     """Two "40/40" lines with different losses: set_postfix came after the update that printed."""
     from tests.train.runs import config, losses
     from topkd.train import train
@@ -40,25 +43,40 @@ def test_train_progress_shows_the_loss_of_the_step_it_counts(built_cache, tmp_pa
     train(config(built_cache, tmp_path, steps=3))
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("train:")]
     shown = [float(re.search(r"loss=([\d.]+)", line).group(1)) for line in lines[:3]]
-    assert [line.split(" step")[0] for line in lines[:3]] == ["train: 1/3", "train: 2/3", "train: 3/3"]
+    assert [line.split(" step")[0] for line in lines[:3]] == [
+        "train: 1/3",
+        "train: 2/3",
+        "train: 3/3",
+    ]
     assert shown == [round(x, 4) for x in losses(tmp_path)]
 
 
-def test_the_build_counts_teacher_batches_as_they_finish(teacher_dir, text_file, tmp_path, monkeypatch, capfd):
+def test_the_build_counts_teacher_batches_as_they_finish(
+    teacher_dir, text_file, tmp_path, monkeypatch, capfd
+):
     from tests.conftest import cache_config
     from topkd.cache import build
 
     monkeypatch.setenv("TQDM_DISABLE", "")
     monkeypatch.setenv("TOPKD_PROGRESS_SECONDS", "0")
-    build(cache_config(teacher_dir, text_file, tmp_path / "c", max_sequences=8, seqs_per_shard=8, batch_size=2))
+    build(
+        cache_config(
+            teacher_dir, text_file, tmp_path / "c", max_sequences=8, seqs_per_shard=8, batch_size=2
+        )
+    )
     counts = [int(m.group(1)) for m in re.finditer(r"cache build: (\d+)/", capfd.readouterr().err)]
-    assert counts[:4] == [96, 192, 288, 384]  # one line per batch of 2 x 48 tokens, all in one shard
+    # one line per batch of 2 x 48 tokens, all in one shard
+    assert counts[:4] == [96, 192, 288, 384]
 
 
 def test_counts_read_as_a_person_writes_them():
     from topkd.progress import count
 
-    assert (count(1, "shard"), count(5, "shard"), count(1774, "token")) == ("1 shard", "5 shards", "1,774 tokens")
+    assert (count(1, "shard"), count(5, "shard"), count(1774, "token")) == (
+        "1 shard",
+        "5 shards",
+        "1,774 tokens",
+    )
 
 
 def test_a_bar_left_unclosed_by_an_error_stops_printing(monkeypatch, capsys):

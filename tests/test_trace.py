@@ -1,4 +1,5 @@
 """topkd.trace: what each aten op moves and computes, and the live-memory peak, on real and meta tensors."""
+
 import pytest
 import torch
 
@@ -15,7 +16,12 @@ def test_gemm_flops_and_bytes(device):
         acc.addmm_(a, b, beta=0.0)
         acc.addmm_(a, b)
     mm, first, second = t.ops
-    assert (mm.kind, mm.flops, mm.read, mm.written) == ("gemm", 2 * 6 * 5 * 7, (30 + 35) * 4, 42 * 4)
+    assert (mm.kind, mm.flops, mm.read, mm.written) == (
+        "gemm",
+        2 * 6 * 5 * 7,
+        (30 + 35) * 4,
+        42 * 4,
+    )
     assert mm.shape == ("mm", 6, 5, 7, "float32")
     assert first.read == (30 + 35) * 4, "beta=0: the accumulator is not read"
     assert second.read == (30 + 35 + 42) * 4
@@ -31,7 +37,12 @@ def test_gathers_and_in_place_scatters_move_only_their_elements():
     gather, scatter, exp = t.ops
     assert gather.written == 24 * 4 and gather.read == 24 * 8 + 24 * 4
     assert scatter.written == 24 * 4, "an in-place scatter touches [C, K], not [C, V]"
-    assert (exp.kind, exp.read, exp.written, exp.elements) == ("transcendental", 8000 * 4, 8000 * 4, 8000)
+    assert (exp.kind, exp.read, exp.written, exp.elements) == (
+        "transcendental",
+        8000 * 4,
+        8000 * 4,
+        8000,
+    )
 
 
 def test_views_and_allocations_move_nothing():
@@ -80,7 +91,8 @@ def test_fp32_output_addmm_on_meta_is_traced_on_every_torch():
         fresh = torch.addmm(acc, a, b, out_dtype=torch.float32)
     first, second, third = t.ops
     assert (fresh.shape, fresh.dtype) == ((6, 7), torch.float32)
-    assert first.read == (30 + 35) * 2 and second.read == (30 + 35) * 2 + 42 * 4  # beta=0 reads no accumulator
+    # beta=0 reads no accumulator
+    assert first.read == (30 + 35) * 2 and second.read == (30 + 35) * 2 + 42 * 4
     assert first.written == second.written == third.written == 42 * 4 and first.dtype == "bfloat16"
     with pytest.raises(TypeError):  # anything else still raises
         with OpTrace():

@@ -1,4 +1,5 @@
 """Small config checks shared by the command-line jobs (cache build, train, eval), run before any model loads."""
+
 from __future__ import annotations
 
 import os
@@ -13,15 +14,21 @@ def require_device(device: str) -> None:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected cpu | cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for, but this torch sees no GPU (torch.cuda.is_available() is "
-                         "False); use --device cpu, or install a CUDA build of torch")
+        raise ValueError(
+            "device: cuda was asked for, but this torch sees no GPU (torch.cuda.is_available() is "
+            "False); use --device cpu, or install a CUDA build of torch"
+        )
 
 
 def require_path(flag: str, path: str, kind: str = "any") -> None:
     """An input path that must exist (kind: any | dir | file), named by its flag."""
     ok = {"any": os.path.exists, "dir": os.path.isdir, "file": os.path.isfile}[kind](path)
     if not ok:
-        what = {"any": "an existing path", "dir": "an existing directory", "file": "an existing file"}[kind]
+        what = {
+            "any": "an existing path",
+            "dir": "an existing directory",
+            "file": "an existing file",
+        }[kind]
         raise ValueError(f"{flag}: expected {what}, got {path!r} (not found); check the path")
 
 

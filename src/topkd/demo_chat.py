@@ -7,6 +7,7 @@ reads the whole conversation. The same untrained student is trained with KD and,
 cross entropy on the same assistant tokens, then both (and the teacher and the untrained student) are
 scored against a held-out chat cache of Hamlet: KL to the teacher on the assistant tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ from topkd.eval.run import EvalConfig, run_eval
 from topkd.files import write_atomic
 from topkd.train import TrainConfig, train
 
-SPEAKER = re.compile(r"^([A-Z][A-Za-z]*\.?( and [A-Z][A-Za-z]*\.?)?)\s*$")  # "Ham." / "Mar. and Ber."
+# "Ham." / "Mar. and Ber."
+SPEAKER = re.compile(r"^([A-Z][A-Za-z]*\.?( and [A-Z][A-Za-z]*\.?)?)\s*$")
 
 
 def speeches(path: str) -> list[tuple[str, str]]:
@@ -41,60 +43,121 @@ def play_conversations(paths: list[str], limit: int, seed: int = 0) -> list[list
         said = speeches(path)
         pairs += [(a, b) for a, b in zip(said, said[1:]) if a[0] != b[0]]
     random.Random(seed).shuffle(pairs)
-    return [[{"role": "user", "content": f"{a[0]}: {a[1]}\n\nReply as {b[0]}."},
-             {"role": "assistant", "content": b[1]}] for a, b in pairs[:limit]]
+    return [
+        [
+            {"role": "user", "content": f"{a[0]}: {a[1]}\n\nReply as {b[0]}."},
+            {"role": "assistant", "content": b[1]},
+        ]
+        for a, b in pairs[:limit]
+    ]
 
 
 def write_conversations(conversations: list[list[dict]], path: str) -> str:
     if not os.path.exists(path):
-        write_atomic(path, "".join(json.dumps({"messages": m}) + "\n" for m in conversations).encode())
+        write_atomic(
+            path, "".join(json.dumps({"messages": m}) + "\n" for m in conversations).encode()
+        )
     return path
 
 
-def run_chat_step(out: str, teacher_dir: str, init_dir: str, train_files: list[str], heldout: str, n: dict,
-                  seq_len: int, k: int, step) -> dict | None:
+def run_chat_step(
+    out: str,
+    teacher_dir: str,
+    init_dir: str,
+    train_files: list[str],
+    heldout: str,
+    n: dict,
+    seq_len: int,
+    k: int,
+    step,
+) -> dict | None:
     """Chat caches, KD and CE students, and their scores on held-out assistant tokens (each a resumable step).
     None, said loudly, when the teacher has no chat template."""
     from transformers import AutoTokenizer
 
     if not AutoTokenizer.from_pretrained(teacher_dir).chat_template:
-        print(f"== demo: chat step skipped: the teacher {teacher_dir} has no chat template", flush=True)
+        print(
+            f"== demo: chat step skipped: the teacher {teacher_dir} has no chat template",
+            flush=True,
+        )
         return None
     chat = os.path.join(out, "chat")
     os.makedirs(chat, exist_ok=True)
-    sets = {"train": write_conversations(play_conversations(train_files, n["chat_train"]),
-                                         os.path.join(chat, "train.jsonl")),
-            "heldout": write_conversations(play_conversations([heldout], n["chat_heldout"]),
-                                           os.path.join(chat, "heldout.jsonl"))}
+    sets = {
+        "train": write_conversations(
+            play_conversations(train_files, n["chat_train"]), os.path.join(chat, "train.jsonl")
+        ),
+        "heldout": write_conversations(
+            play_conversations([heldout], n["chat_heldout"]), os.path.join(chat, "heldout.jsonl")
+        ),
+    }
     for name, data in sets.items():
-        step(f"chat {name} cache", lambda d=data, c=name: build(CacheBuildConfig(
-            teacher=teacher_dir, data=[d], out=os.path.join(chat, f"{c}-cache"), seq_len=seq_len, k=k)))
+        step(
+            f"chat {name} cache",
+            lambda d=data, c=name: build(
+                CacheBuildConfig(
+                    teacher=teacher_dir,
+                    data=[d],
+                    out=os.path.join(chat, f"{c}-cache"),
+                    seq_len=seq_len,
+                    k=k,
+                )
+            ),
+        )
     for name, objective in (("student-kd", "kd"), ("student-ce", "ce")):
-        step(f"chat {name}", lambda nm=name, obj=objective: train(TrainConfig(
-            cache=os.path.join(chat, "train-cache"), student=init_dir, out=os.path.join(chat, nm), objective=obj,
-            steps=n["steps"], batch_size=n["batch_size"], lr=5e-4, warmup_steps=n["warmup"], checkpoint_every=32)))
-    models = {"teacher": teacher_dir, "student-init": init_dir,
-              **{name: os.path.join(chat, name, "final") for name in ("student-kd", "student-ce")}}
-    scores = {name: step(f"chat eval {name}", lambda nm=name, p=path: _score(chat, nm, p))
-              for name, path in models.items()}
+        step(
+            f"chat {name}",
+            lambda nm=name, obj=objective: train(
+                TrainConfig(
+                    cache=os.path.join(chat, "train-cache"),
+                    student=init_dir,
+                    out=os.path.join(chat, nm),
+                    objective=obj,
+                    steps=n["steps"],
+                    batch_size=n["batch_size"],
+                    lr=5e-4,
+                    warmup_steps=n["warmup"],
+                    checkpoint_every=32,
+                )
+            ),
+        )
+    models = {
+        "teacher": teacher_dir,
+        "student-init": init_dir,
+        **{name: os.path.join(chat, name, "final") for name in ("student-kd", "student-ce")},
+    }
+    scores = {
+        name: step(f"chat eval {name}", lambda nm=name, p=path: _score(chat, nm, p))
+        for name, path in models.items()
+    }
     cache = TopKCache(os.path.join(chat, "train-cache"))
-    return {"bytes_per_token": cache.manifest["totals"]["bytes_per_token"], "tokens": cache.tokens,
-            "counted_tokens": cache.counted_tokens, "counted_fraction": cache.counted_tokens / cache.tokens,
-            "conversations": {name: sum(1 for _ in open(path)) for name, path in sets.items()}, "models": scores}
+    return {
+        "bytes_per_token": cache.manifest["totals"]["bytes_per_token"],
+        "tokens": cache.tokens,
+        "counted_tokens": cache.counted_tokens,
+        "counted_fraction": cache.counted_tokens / cache.tokens,
+        "conversations": {name: sum(1 for _ in open(path)) for name, path in sets.items()},
+        "models": scores,
+    }
 
 
 def _score(chat: str, name: str, model: str) -> dict:
     out = os.path.join(chat, "eval", f"{name}.json")
     if os.path.exists(out):
         return json.load(open(out))["result"]["vs_teacher"]
-    return run_eval(EvalConfig(model=model, name=name, cache=os.path.join(chat, "heldout-cache"),
-                               out=out))["vs_teacher"]
+    return run_eval(
+        EvalConfig(model=model, name=name, cache=os.path.join(chat, "heldout-cache"), out=out)
+    )["vs_teacher"]
 
 
 def chat_lines(chat: dict) -> list[str]:
-    lines = [f"chat: {sum(chat['conversations'].values())} conversations from the plays, {chat['tokens']:,} tokens, "
-             f"{chat['bytes_per_token']:.1f} bytes/token, {chat['counted_fraction']:.1%} counted (assistant turns)",
-             f"{'held-out chat':<16}{'KL bucket':>11}{'KL renorm':>11}{'top-1 agree':>13}   (assistant tokens)"]
+    lines = [
+        f"chat: {sum(chat['conversations'].values())} conversations from the plays, {chat['tokens']:,} tokens, "
+        f"{chat['bytes_per_token']:.1f} bytes/token, {chat['counted_fraction']:.1%} counted (assistant turns)",
+        f"{'held-out chat':<16}{'KL bucket':>11}{'KL renorm':>11}{'top-1 agree':>13}   (assistant tokens)",
+    ]
     for name, v in chat["models"].items():
-        lines.append(f"{name:<16}{v['kl_bucket']:>11.4f}{v['kl_renorm']:>11.4f}{v['top1_agreement']:>13.3f}")
+        lines.append(
+            f"{name:<16}{v['kl_bucket']:>11.4f}{v['kl_renorm']:>11.4f}{v['top1_agreement']:>13.3f}"
+        )
     return lines

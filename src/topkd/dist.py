@@ -5,6 +5,7 @@
 
 Every helper is a no-op (returns its input) when there is one process, so callers never branch.
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@
 Caches (shards, sidecars, manifests), checkpoints and run records all go through these, so a
 crash, a signal or a full disk never leaves a half-written file that a later run would trust.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,19 +21,24 @@ import os
 
 def write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):  # a leftover (or planted link) of that name: the name itself goes
+    # a leftover (or planted link) of that name: the name itself goes
+    with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+        with os.fdopen(
+            os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb"
+        ) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk, a signal: no stray temp file, the old file (if any) untouched
+    # a full disk, a signal: no stray temp file, the old file (if any) untouched
+    except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)  # the rename itself must survive a crash
+    # the rename itself must survive a crash
+    fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
 
 
 def refuse_links(root: str, names) -> None:
@@ -41,9 +47,11 @@ def refuse_links(root: str, names) -> None:
     for name in names:
         path = os.path.join(root, name)
         if os.path.islink(path):
-            raise ValueError(f"{path}: expected a file or directory this job writes, got a symbolic link (to "
-                             f"{os.readlink(path)!r}); topkd never writes through links: remove the link, or use "
-                             "another --out")
+            raise ValueError(
+                f"{path}: expected a file or directory this job writes, got a symbolic link (to "
+                f"{os.readlink(path)!r}); topkd never writes through links: remove the link, or use "
+                "another --out"
+            )
 
 
 @contextlib.contextmanager

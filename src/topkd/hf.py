@@ -21,6 +21,7 @@ give the same step. The teacher columns survive remove_unused_columns; a TopKDat
 (seeded) order; kd_loss and ce_loss (per counted token) are logged beside loss. The options are one
 topkd.LossOptions, the fields of fused_linear_kd's keywords.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,14 @@ from topkd.rows import sampled_targets_problem
 from topkd.train.student import batch_loss
 
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))
-KD_COLUMNS = ("position_ids", "labels", "kd_mask", "teacher_ids", "teacher_logprobs", "teacher_logz")
+KD_COLUMNS = (
+    "position_ids",
+    "labels",
+    "kd_mask",
+    "teacher_ids",
+    "teacher_logprobs",
+    "teacher_logz",
+)
 
 
 class KDTrainerMixin:
@@ -49,23 +57,36 @@ class KDTrainerMixin:
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's counted tokens
 
-    def __init__(self, *args, loss: LossOptions | None = None, top_k: int = 0, fold_beyond_vocab: bool = False,
-                 **kwargs):
+    def __init__(
+        self,
+        *args,
+        loss: LossOptions | None = None,
+        top_k: int = 0,
+        fold_beyond_vocab: bool = False,
+        **kwargs,
+    ):
         stray = [name for name in LOSS_FIELDS if name in kwargs]
         if stray:  # the keywords KDTrainer took before one LossOptions configured every loss
             given = ", ".join(f"{name}={kwargs[name]!r}" for name in stray)
-            raise TypeError(f"KDTrainer: expected the loss's options in one LossOptions, got {given} as keywords; "
-                            f"pass loss=topkd.LossOptions({given})")
+            raise TypeError(
+                f"KDTrainer: expected the loss's options in one LossOptions, got {given} as keywords; "
+                f"pass loss=topkd.LossOptions({given})"
+            )
         if loss is not None and not isinstance(loss, LossOptions):
-            raise TypeError(f"KDTrainer: expected loss=topkd.LossOptions(...), got {type(loss).__name__}")
+            raise TypeError(
+                f"KDTrainer: expected loss=topkd.LossOptions(...), got {type(loss).__name__}"
+            )
         if kwargs.get("data_collator") is None:
             kwargs["data_collator"] = collate
         super().__init__(*args, **kwargs)
         self.kd_options = kd_options(loss, self.train_dataset)
         self.kd_top_k, self.kd_fold = top_k, fold_beyond_vocab
-        check_student_against_cache(self.model, self.train_dataset, self.processing_class, fold_beyond_vocab)
+        check_student_against_cache(
+            self.model, self.train_dataset, self.processing_class, fold_beyond_vocab
+        )
         check_sampled_targets(self.train_dataset, self.kd_options, top_k)
-        self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}  # tensors on the device once a step adds to them
+        # tensors on the device once a step adds to them
+        self._kd_logged = {"kd": 0.0, "ce": 0.0, "tokens": 0.0}
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -74,34 +95,54 @@ class KDTrainerMixin:
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if isinstance(dataset, TopKDataset):  # several processes: accelerate shards its batches
-            return EpochSampler(dataset)  # its order is already topkd train's seeded one, epoch by epoch
+            # its order is already topkd train's seeded one, epoch by epoch
+            return EpochSampler(dataset)
         return super()._get_train_sampler(train_dataset)
 
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+    def _get_num_items_in_batch(
+        self, batch_samples: list, device: torch.device
+    ) -> torch.Tensor | None:
         """The step's counted tokens (kd_mask) over all its micro-batches and processes: the loss's divisor."""
         if not batch_samples or "kd_mask" not in batch_samples[0]:
             return super()._get_num_items_in_batch(batch_samples, device)
         count = sum(b["kd_mask"].sum() for b in batch_samples).to(device)
         return self.accelerator.gather(count).sum() if self.args.world_size > 1 else count
 
-    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+    def compute_loss(
+        self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None
+    ):
         missing = [c for c in ("kd_mask", "teacher_ids", "teacher_logprobs") if c not in inputs]
         if missing:
-            raise ValueError(f"KDTrainer: expected batches with the teacher's columns, got none of {missing} (keys "
-                             f"{sorted(inputs)}); train on a topkd.data.TopKDataset collated by topkd.data.collate")
+            raise ValueError(
+                f"KDTrainer: expected batches with the teacher's columns, got none of {missing} (keys "
+                f"{sorted(inputs)}); train on a topkd.data.TopKDataset collated by topkd.data.collate"
+            )
         if self.kd_options.needs_logz and "teacher_logz" not in inputs:
-            raise ValueError(f"KDTrainer: temperature={self.kd_options.temperature} with tail='bucket' needs "
-                             "teacher_logz; build the dataset with TopKDataset(cache, temperature=T)")
+            raise ValueError(
+                f"KDTrainer: temperature={self.kd_options.temperature} with tail='bucket' needs "
+                "teacher_logz; build the dataset with TopKDataset(cache, temperature=T)"
+            )
         hidden = final_hidden_states(model, inputs)
         with loss_parts() as parts:
-            total = batch_loss(head_model(model), hidden, inputs, self.kd_options, self.kd_teacher_vocab(),
-                               self.kd_top_k, fold_beyond_vocab=self.kd_fold)
+            total = batch_loss(
+                head_model(model),
+                hidden,
+                inputs,
+                self.kd_options,
+                self.kd_teacher_vocab(),
+                self.kd_top_k,
+                fold_beyond_vocab=self.kd_fold,
+            )
         tokens = inputs["kd_mask"].sum() if num_items_in_batch is None else num_items_in_batch
         loss = total / tokens.clamp(min=1)
         if self.args.world_size > 1:
-            loss = loss * self.args.world_size  # DDP/FSDP average gradients over processes; tokens are global
+            # DDP/FSDP average gradients over processes; tokens are global
+            loss = loss * self.args.world_size
         seen = self._kd_logged  # summed where they are: read (one sync) only when the Trainer logs
-        seen["kd"], seen["ce"] = seen["kd"] + parts["kd"].detach(), seen["ce"] + parts["ce"].detach()
+        seen["kd"], seen["ce"] = (
+            seen["kd"] + parts["kd"].detach(),
+            seen["ce"] + parts["ce"].detach(),
+        )
         seen["tokens"] = seen["tokens"] + inputs["kd_mask"].sum()
         return (loss, {"loss": loss}) if return_outputs else loss
 
@@ -134,15 +175,21 @@ def kd_options(loss: LossOptions | None, dataset) -> LossOptions:
         loss = LossOptions(temperature=float(carried) if carried is not None else 1.0)
     given = loss.temperature
     if carried is not None and given != float(carried):
-        raise ValueError(f"KDTrainer: loss.temperature={given}, but the dataset carries c_T for T={carried} "
-                         f"(TopKDataset(temperature=...)); pass loss=LossOptions(temperature={carried}, ...)")
+        raise ValueError(
+            f"KDTrainer: loss.temperature={given}, but the dataset carries c_T for T={carried} "
+            f"(TopKDataset(temperature=...)); pass loss=LossOptions(temperature={carried}, ...)"
+        )
     if dataset is not None and given != 1.0 and loss.needs_logz and carried is None:
-        raise ValueError(f"KDTrainer: loss.temperature={given} with tail='bucket' needs c_T; build the dataset with "
-                         f"TopKDataset(cache, temperature={given})")
+        raise ValueError(
+            f"KDTrainer: loss.temperature={given} with tail='bucket' needs c_T; build the dataset with "
+            f"TopKDataset(cache, temperature={given})"
+        )
     return dataclasses.replace(loss, reduction="sum")
 
 
-def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_vocab: bool = False) -> None:
+def check_student_against_cache(
+    model, dataset, tokenizer=None, fold_beyond_vocab: bool = False
+) -> None:
     """As `topkd train` does: a TopKDataset of a cache refuses a student whose head cannot hold the cache's ids or
     whose tokenizer gives other ids (Llama-2 and Mistral-7B share V=32,000, not their tokens). The tokenizer is
     the processing_class, else the one saved beside the model (config._name_or_path); without either, only the
@@ -154,10 +201,15 @@ def check_student_against_cache(model, dataset, tokenizer=None, fold_beyond_voca
     rows = int(head.get_output_embeddings().weight.shape[0])
     tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else _saved_tokenizer(head)
     if tokenizer is None:
-        print("KDTrainer: warning: the student's tokenizer is unknown (no processing_class, none saved beside the "
-              "model), so only its vocabulary size was checked against the cache; pass processing_class=tokenizer",
-              file=sys.stderr, flush=True)
-    cache.check_student(vocab_size=max(rows, cache.vocab_size) if fold_beyond_vocab else rows, tokenizer=tokenizer)
+        print(
+            "KDTrainer: warning: the student's tokenizer is unknown (no processing_class, none saved beside the "
+            "model), so only its vocabulary size was checked against the cache; pass processing_class=tokenizer",
+            file=sys.stderr,
+            flush=True,
+        )
+    cache.check_student(
+        vocab_size=max(rows, cache.vocab_size) if fold_beyond_vocab else rows, tokenizer=tokenizer
+    )
 
 
 def check_sampled_targets(dataset, options: LossOptions, top_k: int) -> None:
@@ -167,9 +219,11 @@ def check_sampled_targets(dataset, options: LossOptions, top_k: int) -> None:
         return
     problem = sampled_targets_problem(options.divergence, options.temperature, top_k)
     if problem:
-        raise ValueError(f"KDTrainer: the dataset's cache {cache.path} holds {problem}; pass "
-                         "loss=LossOptions(divergence='kl') (or 'jsd', 'tvd') at temperature 1 and no top_k, or a "
-                         "top-K cache's TopKDataset")
+        raise ValueError(
+            f"KDTrainer: the dataset's cache {cache.path} holds {problem}; pass "
+            "loss=LossOptions(divergence='kl') (or 'jsd', 'tvd') at temperature 1 and no top_k, or a "
+            "top-K cache's TopKDataset"
+        )
 
 
 def _saved_tokenizer(model):
@@ -197,7 +251,9 @@ def as_hf_dataset(data: TopKDataset):
             yield {name: t.numpy() for name, t in data[index].items()}
 
     out = datasets.IterableDataset.from_generator(items).with_format("torch")
-    out.topkd_dataset = data  # what KDTrainer checks the student against, and takes the temperature from
+    out.topkd_dataset = (
+        data  # what KDTrainer checks the student against, and takes the temperature from
+    )
     return out
 
 
@@ -217,15 +273,22 @@ def head_model(model):
     """The causal LM under DDP/FSDP/PEFT wrappers: the module whose get_output_embeddings() is the lm_head."""
     while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
         model = model.module  # DDP, DataParallel
-    get_base = getattr(model, "get_base_model", None)  # PEFT: the head of the base model, frozen or not
+    # PEFT: the head of the base model, frozen or not
+    get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
 
 def final_hidden_states(model, inputs: dict) -> torch.Tensor:
     """[B, T, H] final (normed) hidden states through the model's own forward (so DDP and FSDP see a forward and
     gather what they shard), with logits for one position only."""
-    out = model(input_ids=inputs["input_ids"], position_ids=inputs.get("position_ids"), use_cache=False,
-                output_hidden_states=True, logits_to_keep=1, return_dict=True)
+    out = model(
+        input_ids=inputs["input_ids"],
+        position_ids=inputs.get("position_ids"),
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,
+        return_dict=True,
+    )
     return out.hidden_states[-1]
 
 

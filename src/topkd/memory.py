@@ -6,6 +6,7 @@
 
 tracemalloc does not see torch's allocations; VmHWM does (write 5 to /proc/self/clear_refs to reset it).
 """
+
 from __future__ import annotations
 
 import torch

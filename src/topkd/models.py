@@ -7,6 +7,7 @@
 One home for what the cache build (the teacher), training (the student) and evaluation (any model) all
 do with a model. final_hidden runs under whatever grad mode the caller chose.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,20 +22,29 @@ def load_causal_lm(source: str, dtype: str = "float32", device: str = "cpu", rol
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.exists(source):
-        raise ValueError(f"{role}: expected a local model directory or .gguf file, got {source!r} (not found); "
-                         "download the model first, topkd never fetches from a hub")
+        raise ValueError(
+            f"{role}: expected a local model directory or .gguf file, got {source!r} (not found); "
+            "download the model first, topkd never fetches from a hub"
+        )
     if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
         raise ValueError(_not_a_model(source, role))
     kwargs = {"dtype": getattr(torch, dtype)}
     where = source
     if source.endswith(".gguf"):
-        where, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(source)), os.path.basename(source)
+        where, kwargs["gguf_file"] = (
+            os.path.dirname(os.path.abspath(source)),
+            os.path.basename(source),
+        )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+        tokenizer = AutoTokenizer.from_pretrained(
+            where, **{k: v for k, v in kwargs.items() if k == "gguf_file"}
+        )
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{role} {source!r}: expected tokenizer files beside the model (tokenizer.json or "
-                         f"tokenizer_config.json), got none usable ({str(e).splitlines()[0][:160]}); save the "
-                         "teacher's tokenizer there with tokenizer.save_pretrained") from None
+        raise ValueError(
+            f"{role} {source!r}: expected tokenizer files beside the model (tokenizer.json or "
+            f"tokenizer_config.json), got none usable ({str(e).splitlines()[0][:160]}); save the "
+            "teacher's tokenizer there with tokenizer.save_pretrained"
+        ) from None
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs).to(device).eval()
     quantizer = getattr(model, "hf_quantizer", None)
     if "gguf_file" in kwargs and quantizer is not None:
@@ -70,25 +80,39 @@ def _not_a_model(source: str, role: str) -> str:
     """What a directory without config.json is, and what to pass instead."""
     if os.path.isdir(os.path.join(source, "adapter")):  # topkd train --lora-rank without --merge
         base = os.path.join(source, "base")
-        where = f"the base model in {base}" if os.path.isdir(base) else "the base model the run started from"
-        return (f"{role} {source!r}: expected a model directory (config.json), got LoRA adapters ({source}/adapter, "
-                f"PEFT format) for {where}; rerun the same topkd train command with --merge (it resumes at the last "
-                "step and writes the merged model there), or merge them with peft (PeftModel.from_pretrained(base, "
-                "adapter).merge_and_unload())")
-    return (f"{role} {source!r}: expected a model directory with config.json (save_pretrained), got a directory "
-            "without one; pass the directory that holds the model's config.json and weights")
+        where = (
+            f"the base model in {base}"
+            if os.path.isdir(base)
+            else "the base model the run started from"
+        )
+        return (
+            f"{role} {source!r}: expected a model directory (config.json), got LoRA adapters ({source}/adapter, "
+            f"PEFT format) for {where}; rerun the same topkd train command with --merge (it resumes at the last "
+            "step and writes the merged model there), or merge them with peft (PeftModel.from_pretrained(base, "
+            "adapter).merge_and_unload())"
+        )
+    return (
+        f"{role} {source!r}: expected a model directory with config.json (save_pretrained), got a directory "
+        "without one; pass the directory that holds the model's config.json and weights"
+    )
 
 
 def final_hidden(model, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
     """[B, L] -> [B, L, H] final (normed) hidden states of the decoder body: no logits. position_ids that
     restart at document starts make transformers mask attention per document."""
-    return model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    return model.get_decoder()(
+        input_ids=input_ids, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
 
 
 def model_head(model) -> tuple[Tensor, Tensor | None, float | None]:
     """(lm_head weight, bias or None, final_logit_softcapping or None)."""
     head = model.get_output_embeddings()
-    return head.weight, getattr(head, "bias", None), getattr(model.config, "final_logit_softcapping", None) or None
+    return (
+        head.weight,
+        getattr(head, "bias", None),
+        getattr(model.config, "final_logit_softcapping", None) or None,
+    )
 
 
 def soft_cap(z: Tensor, softcap: float | None) -> Tensor:
@@ -99,7 +123,9 @@ def soft_cap(z: Tensor, softcap: float | None) -> Tensor:
     return z
 
 
-def logit_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, chunk_bytes: int):
+def logit_chunks(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, chunk_bytes: int
+):
     """(start row, fp32 logits [rows, V]) over row chunks of hidden [N, H], capped like the model's own; the
     buffer is reused between chunks (no page faults per chunk), so a caller must be done with one before the
     next. [N, V] never exists."""
@@ -110,7 +136,7 @@ def logit_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: f
     b = None if bias is None else bias.float()
     for a in range(0, hidden.shape[0], rows):
         z = buf[: min(rows, hidden.shape[0] - a)]
-        torch.mm(hidden[a:a + rows].float(), w.t(), out=z)
+        torch.mm(hidden[a : a + rows].float(), w.t(), out=z)
         if b is not None:
             z.add_(b)
         yield a, soft_cap(z, softcap)

@@ -10,6 +10,7 @@ When stderr is not a terminal (a cluster log, CI, `| tee`), tqdm would either pr
 the end. The count is what is done; `skipped(bar, n)` advances past work a resumed job finds done
 without counting it in the rate, so the ETA is that of the work left. TQDM_DISABLE=1 silences both.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ INTERVAL_S = 30.0
 
 
 def count(n: int, noun: str) -> str:
-    """"1 shard", "5 shards", "1,774 tokens": numbers as a person writes them."""
+    """ "1 shard", "5 shards", "1,774 tokens": numbers as a person writes them."""
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
@@ -44,12 +45,25 @@ def track(items, desc: str, unit: str = "it", total: int | None = None):
         bar.close()
 
 
-def progress(total: int | None = None, desc: str = "", unit: str = "it", initial: int = 0, disable: bool = False):
+def progress(
+    total: int | None = None,
+    desc: str = "",
+    unit: str = "it",
+    initial: int = 0,
+    disable: bool = False,
+):
     """A tqdm bar on a terminal, else a PlainProgress; both take update/set_postfix/close."""
     if disable or os.environ.get("TQDM_DISABLE", "") not in ("", "0"):
         return PlainProgress(total, desc, unit, initial, silent=True)
     if sys.stderr.isatty():
-        return tqdm(total=total, desc=desc, unit=unit, initial=initial, unit_scale=unit == "tok", dynamic_ncols=True)
+        return tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            initial=initial,
+            unit_scale=unit == "tok",
+            dynamic_ncols=True,
+        )
     return PlainProgress(total, desc, unit, initial)
 
 
@@ -64,15 +78,22 @@ def skipped(bar, n: int) -> None:
 class PlainProgress:
     """tqdm's little interface, printing a plain line every interval seconds (a timer thread) and at close."""
 
-    def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0, silent: bool = False):
+    def __init__(
+        self, total: int | None, desc: str, unit: str, initial: int = 0, silent: bool = False
+    ):
         self.total, self.desc, self.unit, self.n, self.silent = total, desc, unit, initial, silent
         self.interval = float(os.environ.get("TOPKD_PROGRESS_SECONDS", INTERVAL_S))
         self.start_n, self.start = initial, time.monotonic()
         self.last, self.postfix, self.printed_n = self.start, "", initial
         self._closed, self._lock = threading.Event(), threading.Lock()
-        if not silent and self.interval > 0:  # the thread holds a weak reference: a bar dropped unclosed stops it
-            threading.Thread(target=_beat, args=(weakref.ref(self), self._closed), name=f"progress: {desc}",
-                             daemon=True).start()
+        # the thread holds a weak reference: a bar dropped unclosed stops it
+        if not silent and self.interval > 0:
+            threading.Thread(
+                target=_beat,
+                args=(weakref.ref(self), self._closed),
+                name=f"progress: {desc}",
+                daemon=True,
+            ).start()
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -90,7 +111,11 @@ class PlainProgress:
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = (self.n - self.start_n) / elapsed
-        parts = [f"{self.desc}: {self.n:,}" + (f"/{self.total:,}" if self.total else "") + f" {self.unit}"]
+        parts = [
+            f"{self.desc}: {self.n:,}"
+            + (f"/{self.total:,}" if self.total else "")
+            + f" {self.unit}"
+        ]
         if self.total:
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"
         parts.append(f"{rate:.3g} {self.unit}/s")

@@ -9,6 +9,7 @@ every batch (topkd/loss/validate.py), `topkd cache import` on every row it reads
 
 O(N K), never O(N V); rows are walked in blocks, so no N x K float64 temporary is made.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,9 @@ def _need(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: str, temperature: float) -> None:
+def check_values(
+    ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: str, temperature: float
+) -> None:
     """Value checks on the counted tokens ([n, K] etc.). Meta tensors (cost-model traces) have no values."""
     if ids.numel() == 0 or ids.device.type == "meta":
         return
@@ -34,43 +37,70 @@ def check_values(ids: Tensor, logprobs: Tensor, logz, labels, vocab: int, tail: 
     padded = bool(padding.any())
     if padded:
         empty = int(padding.all(dim=-1).sum())
-        _need(not empty, f"teacher_logprobs: expected at least one real entry (a finite log-prob) per counted "
-              f"token, got {empty} token(s) of padding only (-inf everywhere); mask those tokens out")
+        _need(
+            not empty,
+            f"teacher_logprobs: expected at least one real entry (a finite log-prob) per counted "
+            f"token, got {empty} token(s) of padding only (-inf everywhere); mask those tokens out",
+        )
     real = ids[~padding] if padded else ids
     lo, hi = int(real.min()), int(real.max())
-    _need(lo >= 0 and hi < vocab, f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
-          "is the cache built for another vocabulary?")
+    _need(
+        lo >= 0 and hi < vocab,
+        f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
+        "is the cache built for another vocabulary?",
+    )
     tempered_logz = logz if (logz is not None and tail == "bucket") else None
     dup_rows, mass, tempered = 0, 0.0, 0.0
     for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):  # blocks: no N x K float64 temporaries
         block = slice(a, a + VALUE_CHECK_ROWS)
-        dup_rows += _duplicate_rows(_distinct_padding(ids[block], padding[block]) if padded else ids[block])
+        dup_rows += _duplicate_rows(
+            _distinct_padding(ids[block], padding[block]) if padded else ids[block]
+        )
         lp = logprobs[block].double()
         mass = max(mass, lp.exp().sum(-1).max().item())
         if tempered_logz is not None:
             shifted = lp / temperature - tempered_logz[block].double().unsqueeze(-1)
             tempered = max(tempered, shifted.exp().sum(-1).max().item())
     if dup_rows:
-        raise ValueError(f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
-                         "token(s); drop repeated ids")
+        raise ValueError(
+            f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
+            "token(s); drop repeated ids"
+        )
     bad = torch.isnan(logprobs) | (logprobs == math.inf)
-    _need(not bool(bad.any()), f"teacher_logprobs: expected finite values (or -inf for padding), got "
-          f"{int(bad.sum())} NaN/+inf; mask those tokens out or repair the cache")
+    _need(
+        not bool(bad.any()),
+        f"teacher_logprobs: expected finite values (or -inf for padding), got "
+        f"{int(bad.sum())} NaN/+inf; mask those tokens out or repair the cache",
+    )
     top = float(logprobs.max())
-    _need(top <= LOGPROB_SLACK, f"teacher_logprobs: expected log-probabilities (<= 0), got max {top:.4g}; "
-          "pass log_softmax(teacher_logits) over the full vocabulary, not raw logits")
-    _need(mass <= 1 + MASS_SLACK, f"teacher_logprobs: expected top-K mass <= 1, got {mass:.4g}; normalise over "
-          "the full vocabulary at T=1 (log_softmax), not over the top-K")
+    _need(
+        top <= LOGPROB_SLACK,
+        f"teacher_logprobs: expected log-probabilities (<= 0), got max {top:.4g}; "
+        "pass log_softmax(teacher_logits) over the full vocabulary, not raw logits",
+    )
+    _need(
+        mass <= 1 + MASS_SLACK,
+        f"teacher_logprobs: expected top-K mass <= 1, got {mass:.4g}; normalise over "
+        "the full vocabulary at T=1 (log_softmax), not over the top-K",
+    )
     if logz is not None:
-        _need(bool(torch.isfinite(logz).all()), "teacher_logz: expected finite c_T values, got NaN/inf")
+        _need(
+            bool(torch.isfinite(logz).all()),
+            "teacher_logz: expected finite c_T values, got NaN/inf",
+        )
         if tempered_logz is not None:
-            _need(tempered <= 1 + MASS_SLACK, f"teacher_logz: tempered top-K mass exp(a/T - c_T) sums to "
-                  f"{tempered:.4g} > 1; c_T must be log sum_v exp(a_v/T) over the full vocabulary at T={temperature}")
+            _need(
+                tempered <= 1 + MASS_SLACK,
+                f"teacher_logz: tempered top-K mass exp(a/T - c_T) sums to "
+                f"{tempered:.4g} > 1; c_T must be log sum_v exp(a_v/T) over the full vocabulary at T={temperature}",
+            )
     if labels is not None:
         valid = labels[labels != -100]
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
-            raise ValueError(f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
-                             f"[{int(valid.min())}, {int(valid.max())}]")
+            raise ValueError(
+                f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
+                f"[{int(valid.min())}, {int(valid.max())}]"
+            )
 
 
 def _distinct_padding(ids: Tensor, padding: Tensor) -> Tensor:
@@ -90,7 +120,9 @@ def sampled_targets_problem(divergence: str, temperature: float, top_k: int) -> 
     """Sampled targets (count / N of N draws at T = 1, zero off the drawn ids) estimate the teacher without bias
     only for a forward divergence at T = 1 over all their entries: `topkd train` and KDTrainer both ask here."""
     if divergence == "reverse_kl" or float(temperature) != 1.0 or top_k:
-        return ("sampled targets (an unbiased estimate of the teacher at T = 1, zero off the drawn ids) expected "
-                f"divergence kl|jsd|tvd, temperature 1 and no top_k, got divergence={divergence} "
-                f"temperature={temperature} top_k={top_k}")
+        return (
+            "sampled targets (an unbiased estimate of the teacher at T = 1, zero off the drawn ids) expected "
+            f"divergence kl|jsd|tvd, temperature 1 and no top_k, got divergence={divergence} "
+            f"temperature={temperature} top_k={top_k}"
+        )
     return None

@@ -6,6 +6,7 @@
 
 Both raise or report `Interrupted(signum)`, which the CLI turns into one line and exit code 128 + signum.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +35,7 @@ def stop_requests():
 
     def record(signum, frame):
         request.signum = signum
+
     with _handlers(record):
         yield request
 
@@ -41,15 +43,18 @@ def stop_requests():
 @contextlib.contextmanager
 def signals_raise():
     """Turn SIGTERM (and SIGINT) into Interrupted, so `finally` blocks and temp-file cleanup run."""
+
     def interrupt(signum, frame):
         raise Interrupted(signum)
+
     with _handlers(interrupt):
         yield
 
 
 @contextlib.contextmanager
 def _handlers(handler):
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+    # signals reach the main thread only
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}

@@ -1,4 +1,5 @@
 """Stamp for stored benchmark results: machine, versions, commit, date."""
+
 from __future__ import annotations
 
 import datetime
@@ -34,10 +35,19 @@ def _mem_gib() -> float:
 def _commit() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -49,6 +59,12 @@ def stamp(device: str = "cpu") -> dict:
         machine = torch.cuda.get_device_name(0)
     else:
         machine = f"{_cpu_model()} x{os.cpu_count()} cores, {_mem_gib()} GiB"
-    return {"machine": machine, "device": device, "torch": torch.__version__, "topkd": __version__,
-            "python": platform.python_version(), "commit": _commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return {
+        "machine": machine,
+        "device": device,
+        "torch": torch.__version__,
+        "topkd": __version__,
+        "python": platform.python_version(),
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }

@@ -6,6 +6,7 @@
 Shared by the loss's chunk math (topkd/loss/chunk.py) and the teacher's top-K pass (topkd/cache/teacher.py):
 a neutral home, so neither layer imports the other.
 """
+
 from __future__ import annotations
 
 from torch import Tensor

@@ -11,6 +11,7 @@ beta = 0); a gather reads only the picked elements; an in-place scatter writes o
 Views, allocations and scalar reads move nothing. Kernels that bypass the dispatcher (Triton) call
 `declare(...)` with their own traffic; on meta tensors they are then not launched (see `tracing_meta`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,15 +22,67 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-GEMMS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}  # name -> positions of the two mats
-TRANSCENDENTAL = {"exp", "exp_", "log", "log_", "_log_softmax", "_softmax", "_log_softmax_backward_data",
-                  "_softmax_backward_data", "tanh", "tanh_", "sigmoid", "pow", "log1p", "expm1", "logsumexp"}
-REDUCTIONS = {"sum", "amax", "amin", "max", "min", "mean", "logsumexp", "any", "all", "nonzero", "argmax"}
-PICKS = {"gather", "index_select", "take_along_dim", "index"}  # read the picked elements, not the source
-PUTS = {"scatter", "scatter_", "scatter_add", "scatter_add_", "index_put", "index_put_", "_index_put_impl_",
-        "index_copy", "index_copy_", "index_add_", "index_add"}  # write (and read) only the put elements
-FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
-        "is_same_size", "lift_fresh", "resize_", "set_", "_to_copy_meta"}
+# name -> positions of the two mats
+GEMMS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
+TRANSCENDENTAL = {
+    "exp",
+    "exp_",
+    "log",
+    "log_",
+    "_log_softmax",
+    "_softmax",
+    "_log_softmax_backward_data",
+    "_softmax_backward_data",
+    "tanh",
+    "tanh_",
+    "sigmoid",
+    "pow",
+    "log1p",
+    "expm1",
+    "logsumexp",
+}
+REDUCTIONS = {
+    "sum",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "mean",
+    "logsumexp",
+    "any",
+    "all",
+    "nonzero",
+    "argmax",
+}
+# read the picked elements, not the source
+PICKS = {"gather", "index_select", "take_along_dim", "index"}
+# write (and read) only the put elements
+PUTS = {
+    "scatter",
+    "scatter_",
+    "scatter_add",
+    "scatter_add_",
+    "index_put",
+    "index_put_",
+    "_index_put_impl_",
+    "index_copy",
+    "index_copy_",
+    "index_add_",
+    "index_add",
+}
+FREE = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "_local_scalar_dense",
+    "is_same_size",
+    "lift_fresh",
+    "resize_",
+    "set_",
+    "_to_copy_meta",
+}
 
 
 @dataclass
@@ -67,18 +120,32 @@ def describe(func, args: tuple, kwargs: dict, out) -> Op | None:
         a, b = (args[i] for i in GEMMS[base])
         if base in ("addmm", "baddbmm") and kwargs.get("beta", 1) == 0:
             read -= _bytes(args[0])  # beta = 0: the accumulator is overwritten, never read
-        rate_dtype = str(a.dtype).replace("torch.", "")  # the GEMM runs at its inputs' rate, whatever it writes
-        return Op(name, "gemm", 2 * a.numel() * b.shape[-1], read, written, elements, rate_dtype,
-                  (base, a.shape[-2], a.shape[-1], b.shape[-1], rate_dtype))
+        # the GEMM runs at its inputs' rate, whatever it writes
+        rate_dtype = str(a.dtype).replace("torch.", "")
+        return Op(
+            name,
+            "gemm",
+            2 * a.numel() * b.shape[-1],
+            read,
+            written,
+            elements,
+            rate_dtype,
+            (base, a.shape[-2], a.shape[-1], b.shape[-1], rate_dtype),
+        )
     if base in PICKS:
         index_bytes = sum(_bytes(t) for t in ins[1:] if not t.is_floating_point())
-        return Op(name, "index", 0, index_bytes + written, written, max(t.numel() for t in outs), dtype)
-    if base in PUTS:  # index and values (or src) are [C, K]: only those elements of self are touched
+        return Op(
+            name, "index", 0, index_bytes + written, written, max(t.numel() for t in outs), dtype
+        )
+    # index and values (or src) are [C, K]: only those elements of self are touched
+    if base in PUTS:
         moved = ins[1:]
         size = max((t.numel() for t in moved), default=0)
         touched = size * ins[0].element_size()
         copy = 0 if name.endswith("_") else _bytes(ins[0])  # out of place: self is copied first
-        return Op(name, "index", 0, sum(map(_bytes, moved)) + touched + copy, touched + copy, size, dtype)
+        return Op(
+            name, "index", 0, sum(map(_bytes, moved)) + touched + copy, touched + copy, size, dtype
+        )
     if name in ("copy_", "fill_", "zero_", "_copy_from", "_to_copy", "clone", "copy"):
         src = read - (_bytes(args[0]) if name in ("copy_", "fill_", "zero_") else 0)
         return Op(name, "copy", 0, max(src, 0), written, elements, dtype)
@@ -97,12 +164,16 @@ def _call(func, args: tuple, kwargs: dict):
     try:
         return func(*args, **kwargs)
     except TypeError:
-        if func.overloadpacket.__name__ != "addmm" or func._overloadname not in ("dtype", "dtype_out") \
-                or args[1].device.type != "meta":
+        if (
+            func.overloadpacket.__name__ != "addmm"
+            or func._overloadname not in ("dtype", "dtype_out")
+            or args[1].device.type != "meta"
+        ):
             raise
         if "out" in kwargs:
             return kwargs["out"]
-        return torch.empty(args[1].shape[0], args[2].shape[1], dtype=args[3], device="meta")  # args[3]: out_dtype
+        # args[3]: out_dtype
+        return torch.empty(args[1].shape[0], args[2].shape[1], dtype=args[3], device="meta")
 
 
 _ACTIVE = threading.local()
@@ -174,5 +245,9 @@ class OpTrace(TorchDispatchMode):
         self.live_bytes -= size
 
     def totals(self) -> dict:
-        return {"ops": len(self.ops), "flops": sum(o.flops for o in self.ops),
-                "bytes": sum(o.read + o.written for o in self.ops), "peak_bytes": self.peak_bytes}
+        return {
+            "ops": len(self.ops),
+            "flops": sum(o.flops for o in self.ops),
+            "bytes": sum(o.read + o.written for o in self.ops),
+            "peak_bytes": self.peak_bytes,
+        }

@@ -1,4 +1,5 @@
 """Codecs: bit packing at ceil(log2 V) for large V, Rice-coded id gaps, log-prob quantisation error."""
+
 import math
 
 import numpy as np
@@ -12,13 +13,17 @@ def random_topk(t, k, vocab, seed=0):
     return np.stack([rng.choice(vocab, size=k, replace=False) for _ in range(t)]).astype(np.int64)
 
 
-@pytest.mark.parametrize("vocab,bits", [(2, 1), (1000, 10), (49152, 16), (201088, 18), (262144, 18),
-                                        (2**20, 20), (2**20 + 1, 21)])
+@pytest.mark.parametrize(
+    "vocab,bits",
+    [(2, 1), (1000, 10), (49152, 16), (201088, 18), (262144, 18), (2**20, 20), (2**20 + 1, 21)],
+)
 def test_id_bits_is_ceil_log2(vocab, bits):
     assert codec.id_bits(vocab) == bits == max(1, math.ceil(math.log2(vocab)))
 
 
-@pytest.mark.parametrize("vocab,k,t", [(201088, 100, 7), (262144, 100, 5), (2**20, 33, 3), (5, 5, 4), (7, 1, 9)])
+@pytest.mark.parametrize(
+    "vocab,k,t", [(201088, 100, 7), (262144, 100, 5), (2**20, 33, 3), (5, 5, 4), (7, 1, 9)]
+)
 def test_pack_round_trip(vocab, k, t):
     ids = random_topk(t, k, vocab)
     ids[0, 0] = vocab - 1  # the largest id must fit
@@ -27,7 +32,9 @@ def test_pack_round_trip(vocab, k, t):
     assert np.array_equal(codec.unpack_bits(packed, k, codec.id_bits(vocab)), ids)
 
 
-@pytest.mark.parametrize("vocab,k,t", [(201088, 100, 6), (262144, 100, 4), (1000, 1, 11), (9, 9, 3), (2**20, 17, 5)])
+@pytest.mark.parametrize(
+    "vocab,k,t", [(201088, 100, 6), (262144, 100, 4), (1000, 1, 11), (9, 9, 3), (2**20, 17, 5)]
+)
 def test_rice_round_trip(vocab, k, t):
     ids = random_topk(t, k, vocab, seed=vocab % 97)
     order, gaps = codec.sorted_gaps(ids)
@@ -41,7 +48,8 @@ def test_rice_round_trip(vocab, k, t):
 def test_rice_parameter_minimises_the_exact_size():
     gaps = np.random.default_rng(1).geometric(1 / 300, size=5000) - 1
     b = codec.best_rice_parameter(gaps)
-    sizes = [int((gaps >> p).sum()) + gaps.size * (1 + p) for p in range(20)]  # bits at Rice parameter p
+    # bits at Rice parameter p
+    sizes = [int((gaps >> p).sum()) + gaps.size * (1 + p) for p in range(20)]
     assert sizes[b] == min(sizes)
     assert 7 <= b <= 9  # mean gap ~300: b ~ log2(300 ln 2)
 
@@ -68,8 +76,11 @@ def teacher_like_logprobs(t, vocab, k, scale, seed=0):
 def test_quantisation_keeps_exact_mass_and_small_kl(scale):
     a = teacher_like_logprobs(300, 5000, 100, scale)
     log_mass = np.log(np.exp(a).sum(1))
-    decoded = codec.dequantise_logprobs(codec.quantise_logprobs(a), log_mass.astype(np.float32)).astype(np.float64)
-    assert np.allclose(np.log(np.exp(decoded).sum(1)), log_mass, atol=1e-6)  # mass split with the tail exact
+    decoded = codec.dequantise_logprobs(
+        codec.quantise_logprobs(a), log_mass.astype(np.float32)
+    ).astype(np.float64)
+    # mass split with the tail exact
+    assert np.allclose(np.log(np.exp(decoded).sum(1)), log_mass, atol=1e-6)
     kl = (np.exp(a) * (a - decoded)).sum(1)
     assert kl.mean() < 1e-4 and kl.max() < 1e-3
     top_gap = np.abs(decoded[:, 0] - a[:, 0]).max()
@@ -81,7 +92,9 @@ def test_quantisation_k1_and_far_tail():
     decoded = codec.dequantise_logprobs(codec.quantise_logprobs(a), a[:, 0].astype(np.float32))
     assert np.allclose(decoded, a, atol=1e-6)
     far = np.array([[-0.01, -50.0]])  # 50 nats below: clamped to the last code, finite
-    d = codec.dequantise_logprobs(codec.quantise_logprobs(far), np.log(np.exp(far).sum(1)).astype(np.float32))
+    d = codec.dequantise_logprobs(
+        codec.quantise_logprobs(far), np.log(np.exp(far).sum(1)).astype(np.float32)
+    )
     assert np.isfinite(d).all() and d[0, 1] < -15
 
 
@@ -102,9 +115,19 @@ def test_shard_round_trip_at_large_vocabularies(tmp_path, codec_name, vocab):
         ids[0, :3] = [vocab - 1, 0, vocab // 2]  # extremes of the id range
         lp = teacher_like_logprobs(n, 3000, k, 3.0, seed=s)
         mass = np.log(np.exp(lp).sum(1))
-        seqs.append(TeacherSequence(np.arange(n), ids, lp.astype(np.float32), mass.astype(np.float32),
-                                    np.log1p(-np.exp(mass)).astype(np.float32), np.zeros((n, 0), np.float32),
-                                    np.array([0]), s, 5 * s))
+        seqs.append(
+            TeacherSequence(
+                np.arange(n),
+                ids,
+                lp.astype(np.float32),
+                mass.astype(np.float32),
+                np.log1p(-np.exp(mass)).astype(np.float32),
+                np.zeros((n, 0), np.float32),
+                np.array([0]),
+                s,
+                5 * s,
+            )
+        )
     arrays, meta = encode_shard(seqs, vocab=vocab, codec_name=codec_name)
     write_shard(str(tmp_path / "s.safetensors"), arrays, meta)
     reader = ShardReader(str(tmp_path / "s.safetensors"))
@@ -119,11 +142,18 @@ def test_per_token_scale_keeps_far_down_entries_at_their_depth():
     """A sharp row (entries 40-60 nats below the top-1) keeps its depth; a normal row keeps scale COMPAND."""
     lp = np.array([[-1e-6, -40.0, -52.0, -60.0], [-0.5, -1.5, -2.0, -4.0]])
     scales = codec.row_scales(lp)
-    assert scales.dtype == np.float16 and scales[1] == codec.COMPAND and scales[0] * np.log(255) >= 60.0
+    assert (
+        scales.dtype == np.float16
+        and scales[1] == codec.COMPAND
+        and scales[0] * np.log(255) >= 60.0
+    )
     mass = np.log(np.exp(lp).sum(1))
-    decoded = codec.dequantise_logprobs(codec.quantise_logprobs(lp, scales), mass, scales).astype(np.float64)
+    decoded = codec.dequantise_logprobs(codec.quantise_logprobs(lp, scales), mass, scales).astype(
+        np.float64
+    )
     assert np.abs(decoded[0] - lp[0]).max() < 1.0 and np.abs(decoded[1] - lp[1]).max() < 0.02
-    clamped = codec.dequantise_logprobs(codec.quantise_logprobs(lp), mass)  # version 1: one fixed scale
+    # version 1: one fixed scale
+    clamped = codec.dequantise_logprobs(codec.quantise_logprobs(lp), mass)
     assert clamped[0, -1] > -17.0
 
 

@@ -1,5 +1,6 @@
 """Student compatibility judged on what matters: ids for the same text, the special tokens the data uses, a head
 large enough for the ids the cache holds (Qwen-style padded teacher vocabularies); first differing token shown."""
+
 import json
 import os
 
@@ -17,17 +18,22 @@ def _swapped(tok, a: str, b: str):
     vocab[a], vocab[b] = vocab[b], vocab[a]
     from tokenizers import Tokenizer
 
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=tok.eos_token)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=tok.eos_token
+    )
 
 
 def test_added_tokens_and_padded_heads_are_accepted(built_cache, teacher_dir):
     cache = TopKCache(built_cache)
     tok = AutoTokenizer.from_pretrained(teacher_dir)
     cache.check_student(vocab_size=1000, tokenizer=tok)
-    cache.check_student(vocab_size=1128)  # a padded lm_head: rows beyond the teacher's are never targets
-    tok.add_tokens(["<extra>", "<|im_start|>"])  # a student with its own added tokens past the teacher's ids
+    # a padded lm_head: rows beyond the teacher's are never targets
+    cache.check_student(vocab_size=1128)
+    # a student with its own added tokens past the teacher's ids
+    tok.add_tokens(["<extra>", "<|im_start|>"])
     cache.check_student(vocab_size=1002, tokenizer=tok)
-    assert os.path.isdir(os.path.join(cache.path, "tokenizer"))  # the cache keeps the teacher's tokenizer
+    # the cache keeps the teacher's tokenizer
+    assert os.path.isdir(os.path.join(cache.path, "tokenizer"))
 
 
 def test_a_smaller_head_fits_when_every_cached_id_is_below_it(built_cache):
@@ -35,7 +41,10 @@ def test_a_smaller_head_fits_when_every_cached_id_is_below_it(built_cache):
     largest = cache.max_id
     assert largest is not None and largest < cache.vocab_size
     cache.check_student(vocab_size=largest + 1)  # like Qwen2.5 7B (152,064 rows) -> 3B (151,936)
-    with pytest.raises(ValueError, match=rf"more than every id the cache holds \(largest: {largest}\), got {largest}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"more than every id the cache holds \(largest: {largest}\), got {largest}",
+    ):
         cache.check_student(vocab_size=largest)
     with pytest.raises(ValueError, match=r"largest: unknown .* or rebuild the cache"):
         check_student_fits(1000, "x", 999, max_id=None)
@@ -47,9 +56,15 @@ def test_a_real_mismatch_names_the_first_differing_token(built_cache, teacher_di
     a, b = ids[300][0], ids[301][0]
     student = _swapped(teacher, a, b)
     assert tokenizer_mismatch(teacher, teacher) is None
-    assert tokenizer_mismatch(teacher, student) == f"token {a!r} is id 300 for the teacher and id 301 for the student"
-    with pytest.raises(ValueError, match=rf"student tokenizer: expected the teacher's token ids, got different ones: "
-                                         rf"token {a!r} is id 300"):
+    assert (
+        tokenizer_mismatch(teacher, student)
+        == f"token {a!r} is id 300 for the teacher and id 301 for the student"
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"student tokenizer: expected the teacher's token ids, got different ones: "
+        rf"token {a!r} is id 300",
+    ):
         TopKCache(built_cache).check_student(vocab_size=1000, tokenizer=student)
 
 

@@ -1,4 +1,5 @@
 """EngineRows: slicing and joining keep every array aligned, the optional log_mass_t included."""
+
 import numpy as np
 
 from topkd.cache.engine_rows import EngineRows
@@ -6,9 +7,14 @@ from topkd.cache.engine_rows import EngineRows
 
 def rows(n: int, k: int = 3, temps: int = 1, tempered: bool = True) -> EngineRows:
     r = np.arange(n, dtype=np.float32)
-    return EngineRows(ids=np.arange(n * k, dtype=np.int32).reshape(n, k), logprobs=np.tile(-r[:, None], (1, k)),
-                      log_mass=-r, log_tail=r, logz=np.tile(r[:, None], (1, temps)),
-                      log_mass_t=np.tile(r[:, None], (1, temps)) if tempered else None)
+    return EngineRows(
+        ids=np.arange(n * k, dtype=np.int32).reshape(n, k),
+        logprobs=np.tile(-r[:, None], (1, k)),
+        log_mass=-r,
+        log_tail=r,
+        logz=np.tile(r[:, None], (1, temps)),
+        log_mass_t=np.tile(r[:, None], (1, temps)) if tempered else None,
+    )
 
 
 def test_slices_joined_again_are_the_rows():

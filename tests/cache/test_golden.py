@@ -1,6 +1,7 @@
 """Golden bytes: the on-disk format of docs/cache-format.md, pinned. A change here is a format change:
 bump FORMAT_VERSION, document it, and update the pins. A shard without a loss mask is still version 2, byte for
 byte; one with a row_mask (chat data) is version 3."""
+
 import hashlib
 import json
 import struct
@@ -8,7 +9,14 @@ import struct
 import numpy as np
 import pytest
 
-from topkd.cache.shard import FORMAT_VERSION, UNMASKED_VERSION, ShardReader, TeacherSequence, encode_shard, write_shard
+from topkd.cache.shard import (
+    FORMAT_VERSION,
+    UNMASKED_VERSION,
+    ShardReader,
+    TeacherSequence,
+    encode_shard,
+    write_shard,
+)
 
 GOLDEN_SHA256 = {
     "rice": "80a142e0fe84c415a58ba4fb4224779aa21c01d8eea5a976df45125edc85ec52",
@@ -25,10 +33,17 @@ def golden_sequences():
 
     def seq(a: int, b: int, src: int, starts: list[int]) -> TeacherSequence:
         return TeacherSequence(
-            input_ids=np.array([5, 6, 7])[a:b], ids=ids[a:b], logprobs=lp[a:b], log_mass=mass[a:b].astype(np.float32),
-            log_tail=tail[a:b].astype(np.float32), logz=np.full((b - a, 1), 0.25, np.float32),
-            doc_starts=np.array(starts), source_index=src, token_offset=a,
-            log_mass_t=np.full((b - a, 1), -0.125, np.float32))
+            input_ids=np.array([5, 6, 7])[a:b],
+            ids=ids[a:b],
+            logprobs=lp[a:b],
+            log_mass=mass[a:b].astype(np.float32),
+            log_tail=tail[a:b].astype(np.float32),
+            logz=np.full((b - a, 1), 0.25, np.float32),
+            doc_starts=np.array(starts),
+            source_index=src,
+            token_offset=a,
+            log_mass_t=np.full((b - a, 1), -0.125, np.float32),
+        )
 
     return [seq(0, 2, 0, [0, 1]), seq(2, 3, 1, [0])]
 
@@ -36,47 +51,67 @@ def golden_sequences():
 @pytest.mark.parametrize("codec_name", ["rice-zstd", "rice", "packed"])
 def test_golden_shard_bytes(tmp_path, codec_name):
     identity = {"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"}
-    arrays, meta = encode_shard(golden_sequences(), vocab=300, codec_name=codec_name, identity=identity,
-                                temperatures=(2.0,))
+    arrays, meta = encode_shard(
+        golden_sequences(), vocab=300, codec_name=codec_name, identity=identity, temperatures=(2.0,)
+    )
     path = tmp_path / "s.safetensors"
     write_shard(str(path), arrays, meta)
     data = path.read_bytes()
     (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + header_len])
+    header = json.loads(data[8 : 8 + header_len])
     a, b = header["meta_json"]["data_offsets"]
-    meta = json.loads(data[8 + header_len + a:8 + header_len + b])
+    meta = json.loads(data[8 + header_len + a : 8 + header_len + b])
     assert meta["format_version"] == str(UNMASKED_VERSION) == "2" and "__metadata__" not in header
     assert "row_mask" not in header  # no mask: every row counts, as in every version-2 cache
-    assert (meta["build_hash"], meta["shard"], meta["sequences"], meta["temperatures"]) == ("ab" * 32, "0", "0,2",
-                                                                                          "[2.0]")
+    assert (meta["build_hash"], meta["shard"], meta["sequences"], meta["temperatures"]) == (
+        "ab" * 32,
+        "0",
+        "0,2",
+        "[2.0]",
+    )
     assert header["log_mass_t"]["shape"] == [3, 1]
-    assert codec_name == "rice-zstd" or header["lp_scale"]["dtype"] == "F16"  # rice-zstd: inside the frames
+    # rice-zstd: inside the frames
+    assert codec_name == "rice-zstd" or header["lp_scale"]["dtype"] == "F16"
     assert meta["codec"] == codec_name and meta["k"] == "3" and meta["vocab"] == "300"
     if codec_name != "rice-zstd":
-        assert header["lp_codes"] == {"dtype": "U8", "shape": [3, 3],
-                                      "data_offsets": header["lp_codes"]["data_offsets"]}
+        assert header["lp_codes"] == {
+            "dtype": "U8",
+            "shape": [3, 3],
+            "data_offsets": header["lp_codes"]["data_offsets"],
+        }
     if codec_name == "packed":  # 9 bits per id, little-endian bit order: 7 | 2 << 9 | 299 << 18 ...
         a, b = header["ids_packed"]["data_offsets"]
-        row0 = int.from_bytes(data[8 + header_len + a:8 + header_len + a + 4], "little")
+        row0 = int.from_bytes(data[8 + header_len + a : 8 + header_len + a + 4], "little")
         assert (row0 & 0x1FF, (row0 >> 9) & 0x1FF, (row0 >> 18) & 0x1FF) == (7, 2, 299)
     else:
         assert meta["rice_b"] == "5"
-    if codec_name == "rice-zstd":  # one zstd frame per sequence, each starting with the zstd magic number
+    # one zstd frame per sequence, each starting with the zstd magic number
+    if codec_name == "rice-zstd":
         a, _ = header["zstd_frames"]["data_offsets"]
-        assert data[8 + header_len + a:8 + header_len + a + 4] == bytes.fromhex("28b52ffd")
+        assert data[8 + header_len + a : 8 + header_len + a + 4] == bytes.fromhex("28b52ffd")
     assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256[codec_name]
     seq = ShardReader(str(path)).sequence(0)
     assert set(seq.ids[0]) == {7, 2, 299} and list(seq.doc_starts) == [0, 1]
 
 
 GOLDEN_CODEC_BYTES = {  # every tensor a codec writes, as literal bytes (tests/cache/test_golden.py sequences)
-    "packed": {"ids_packed": "0704ac04000258022a52a000", "lp_codes": "004864009ef2000014",
-               "lp_scale": "004200420042"},
-    "rice": {"id_rem": "820c00500800", "id_unary": "fcc70301", "lp_codes": "480064009ef2140000",
-             "lp_scale": "004200420042", "unary_offsets": "000000000000000003000000000000000400000000000000"},
-    "rice-zstd": {"frame_offsets": "00000000000000001e000000000000003300000000000000",
-                  "zstd_frames": "28b52ffd241189000000420042480064009ef2820c0050fcc70312081a5928b52ffd2408410000"
-                                 "0042140000080001bf458b98"},
+    "packed": {
+        "ids_packed": "0704ac04000258022a52a000",
+        "lp_codes": "004864009ef2000014",
+        "lp_scale": "004200420042",
+    },
+    "rice": {
+        "id_rem": "820c00500800",
+        "id_unary": "fcc70301",
+        "lp_codes": "480064009ef2140000",
+        "lp_scale": "004200420042",
+        "unary_offsets": "000000000000000003000000000000000400000000000000",
+    },
+    "rice-zstd": {
+        "frame_offsets": "00000000000000001e000000000000003300000000000000",
+        "zstd_frames": "28b52ffd241189000000420042480064009ef2820c0050fcc70312081a5928b52ffd2408410000"
+        "0042140000080001bf458b98",
+    },
 }
 
 
@@ -87,10 +122,17 @@ def test_golden_codec_tensors_byte_for_byte(codec_name):
     fields; rice-zstd's frames are rice's lp_scale, lp_codes, id_rem and unary bytes per sequence, zstd-framed."""
     from topkd.cache.shard_codecs import CODECS
 
-    arrays, _ = encode_shard(golden_sequences(), vocab=300, codec_name=codec_name, temperatures=(2.0,),
-                             identity={"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"})
+    arrays, _ = encode_shard(
+        golden_sequences(),
+        vocab=300,
+        codec_name=codec_name,
+        temperatures=(2.0,),
+        identity={"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"},
+    )
     assert set(CODECS[codec_name].tensors) == set(GOLDEN_CODEC_BYTES[codec_name])
-    assert {n: arrays[n].tobytes().hex() for n in CODECS[codec_name].tensors} == GOLDEN_CODEC_BYTES[codec_name]
+    assert {n: arrays[n].tobytes().hex() for n in CODECS[codec_name].tensors} == GOLDEN_CODEC_BYTES[
+        codec_name
+    ]
     assert np.frombuffer(bytes.fromhex("0042"), "<f2")[0] == 3.0
 
 
@@ -103,14 +145,18 @@ def test_golden_version_3_shard_with_a_row_mask(tmp_path):
     seqs = golden_sequences()
     seqs[0].row_mask = np.array([False, True])
     identity = {"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"}
-    arrays, meta = encode_shard(seqs, vocab=300, codec_name="rice-zstd", identity=identity, temperatures=(2.0,))
+    arrays, meta = encode_shard(
+        seqs, vocab=300, codec_name="rice-zstd", identity=identity, temperatures=(2.0,)
+    )
     assert meta["format_version"] == str(FORMAT_VERSION) == "3"
     assert arrays["row_mask"].dtype == np.uint8 and arrays["row_mask"].tobytes().hex() == "000101"
     path = tmp_path / "s.safetensors"
     write_shard(str(path), arrays, meta)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN_V3_SHA256
     reader = ShardReader(str(path))
-    assert reader.sequence(0).row_mask.tolist() == [False, True] and reader.sequence(1).row_mask.tolist() == [True]
+    assert reader.sequence(0).row_mask.tolist() == [False, True] and reader.sequence(
+        1
+    ).row_mask.tolist() == [True]
 
 
 GOLDEN_V4_SHA256 = "a8dcb3014b39e8e116f15acfa0b7d1418e19e92804da7fcf533c61e46afd6ea4"
@@ -127,18 +173,30 @@ def test_golden_version_4_shard_with_padding_entries(tmp_path):
     seqs[0].logprobs[1, 1:] = -np.inf  # row 1 keeps one real entry (id 0)
     seqs[0].log_mass[1] = seqs[0].logprobs[1, 0]
     identity = {"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"}
-    arrays, meta = encode_shard(seqs, vocab=300, codec_name="rice", identity=identity, temperatures=(2.0,),
-                                variable_k=True)
-    assert meta["format_version"] == str(VARIABLE_K_VERSION) == "4" and arrays["row_mask"].tolist() == [1, 1, 1]
+    arrays, meta = encode_shard(
+        seqs, vocab=300, codec_name="rice", identity=identity, temperatures=(2.0,), variable_k=True
+    )
+    assert meta["format_version"] == str(VARIABLE_K_VERSION) == "4" and arrays[
+        "row_mask"
+    ].tolist() == [1, 1, 1]
     assert arrays["lp_codes"][1].tolist()[1:] == [255, 255]
     path = tmp_path / "s.safetensors"
     write_shard(str(path), arrays, meta)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN_V4_SHA256
     for codec_name in ("rice-zstd", "rice", "packed"):
-        arrays, meta = encode_shard(seqs, vocab=300, codec_name=codec_name, identity=identity, temperatures=(2.0,),
-                                    variable_k=True)
+        arrays, meta = encode_shard(
+            seqs,
+            vocab=300,
+            codec_name=codec_name,
+            identity=identity,
+            temperatures=(2.0,),
+            variable_k=True,
+        )
         write_shard(str(tmp_path / codec_name), arrays, meta)
         row = ShardReader(str(tmp_path / codec_name)).sequence(0)
-        assert row.ids[1].tolist() == [0, 0, 0] and np.isneginf(row.logprobs[1, 1:]).all(), codec_name
-        assert row.logprobs[1, 0] == pytest.approx(seqs[0].logprobs[1, 0], abs=1e-6)  # the exact mass: one entry
+        assert row.ids[1].tolist() == [0, 0, 0] and np.isneginf(row.logprobs[1, 1:]).all(), (
+            codec_name
+        )
+        # the exact mass: one entry
+        assert row.logprobs[1, 0] == pytest.approx(seqs[0].logprobs[1, 0], abs=1e-6)
         assert sorted(row.ids[0].tolist()) == [2, 7, 299] and np.isfinite(row.logprobs[0]).all()

@@ -1,4 +1,5 @@
 """Reading a cache: decoded rows, DataLoader workers, and every refusal (corrupt, truncated, mixed, mismatched)."""
+
 import json
 import os
 import shutil
@@ -26,8 +27,14 @@ def test_rows_have_the_documented_shapes_and_dtypes(built_cache):
     n, k = row["input_ids"].shape[0], cache.k
     assert 0 < n <= 48 and k == 16 and len(cache) == cache.manifest["totals"]["sequences"]
     assert row["teacher_ids"].shape == (n, k) and row["teacher_ids"].dtype == torch.int64
-    assert row["teacher_logprobs"].shape == (n, k) and row["teacher_logprobs"].dtype == torch.float32
-    assert row["logz"].shape == (n, 1) and row["log_tail"].shape == (n,) and row["doc_starts"].dtype == torch.int64
+    assert (
+        row["teacher_logprobs"].shape == (n, k) and row["teacher_logprobs"].dtype == torch.float32
+    )
+    assert (
+        row["logz"].shape == (n, 1)
+        and row["log_tail"].shape == (n,)
+        and row["doc_starts"].dtype == torch.int64
+    )
     assert int(row["doc_starts"][0]) == 0 and row["source_index"] == len(cache) - 1
     assert sum(cache[i]["input_ids"].numel() for i in range(len(cache))) == cache.tokens
     with pytest.raises(IndexError, match="out of range"):
@@ -41,8 +48,14 @@ def test_rows_feed_the_loss_directly(built_cache):
     row = cache[0]
     n = row["input_ids"].shape[0]
     hidden, weight = torch.randn(n, 8, requires_grad=True), torch.randn(cache.vocab_size, 8)
-    loss = topkd.fused_linear_kd(hidden, weight, row["teacher_ids"], row["teacher_logprobs"], temperature=2.0,
-                                 teacher_logz=row["logz"][:, 0])
+    loss = topkd.fused_linear_kd(
+        hidden,
+        weight,
+        row["teacher_ids"],
+        row["teacher_logprobs"],
+        temperature=2.0,
+        teacher_logz=row["logz"][:, 0],
+    )
     loss.backward()
     assert torch.isfinite(loss) and hidden.grad.abs().sum() > 0
 
@@ -50,7 +63,9 @@ def test_rows_feed_the_loss_directly(built_cache):
 def test_dataloader_workers_read_the_same_rows(built_cache):
     cache = TopKCache(built_cache)
     cache[0]  # open handles in the parent first: workers must re-open their own
-    loader = torch.utils.data.DataLoader(cache, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        cache, batch_size=None, num_workers=2, multiprocessing_context="fork"
+    )
     for i, row in enumerate(loader):
         assert torch.equal(row["teacher_ids"], cache[i]["teacher_ids"])
         assert torch.equal(row["teacher_logprobs"], cache[i]["teacher_logprobs"])
@@ -79,7 +94,7 @@ def test_corrupted_byte_is_found_by_verify(cache_copy, capsys):
     path = shard_file(cache_copy)
     data = bytearray(open(path, "rb").read())
     header_len = int.from_bytes(data[:8], "little")
-    start = json.loads(data[8:8 + header_len])["log_mass"]["data_offsets"][0]
+    start = json.loads(data[8 : 8 + header_len])["log_mass"]["data_offsets"][0]
     data[8 + header_len + start] ^= 0x01  # one bit of a stored mass: the file still parses
     open(path, "wb").write(bytes(data))
     cache = TopKCache(str(cache_copy))  # opening checks sizes and headers only
@@ -127,8 +142,15 @@ def test_verify_and_inspect_commands(built_cache, tmp_path, capsys):
     out = captured.out
     last = json.loads(out.strip().splitlines()[-1])
     assert last["tokens"] == TopKCache(built_cache).tokens and 0 < last["mass_mean"] <= 1
-    assert "bytes/token" in out and "[0.990, 0.999)" in out and (tmp_path / "m.png").stat().st_size > 5000
-    assert f"topkd cache inspect: wrote the retained-mass histogram to {tmp_path / 'm.png'}" in captured.err
+    assert (
+        "bytes/token" in out
+        and "[0.990, 0.999)" in out
+        and (tmp_path / "m.png").stat().st_size > 5000
+    )
+    assert (
+        f"topkd cache inspect: wrote the retained-mass histogram to {tmp_path / 'm.png'}"
+        in captured.err
+    )
 
 
 def test_the_mass_histogram_counts_the_rows_that_train(built_cache, monkeypatch):
@@ -153,7 +175,9 @@ def test_the_mass_histogram_counts_the_rows_that_train(built_cache, monkeypatch)
         shard.names = shard.names | {"row_mask"}
         expected.append(np.exp(real(shard, "log_mass").astype(np.float64))[1::2])
     monkeypatch.setattr(ShardReader, "tensor", masked)
-    assert np.array_equal(retained_mass(cache), np.concatenate(expected)) and len(everything) > len(expected[0])
+    assert np.array_equal(retained_mass(cache), np.concatenate(expected)) and len(everything) > len(
+        expected[0]
+    )
 
 
 def test_cli_prints_a_refusal_without_a_traceback(tmp_path, capsys):
@@ -165,13 +189,14 @@ def test_corrupted_zstd_frame_fails_loudly_even_unverified(cache_copy):
     path = shard_file(cache_copy)
     data = bytearray(open(path, "rb").read())
     header_len = int.from_bytes(data[:8], "little")
-    start, end = json.loads(data[8:8 + header_len])["zstd_frames"]["data_offsets"]
+    start, end = json.loads(data[8 : 8 + header_len])["zstd_frames"]["data_offsets"]
     data[8 + header_len + (start + end) // 2] ^= 0x10
     open(path, "wb").write(bytes(data))
     cache = TopKCache(str(cache_copy), verify_reads=False)
     first = cache.manifest["shards"][1]["sequences"][0]
     with pytest.raises(ValueError, match="corrupt"):
-        for i in range(first, first + 4):  # frames carry a checksum: a flipped bit never decodes silently
+        # frames carry a checksum: a flipped bit never decodes silently
+        for i in range(first, first + 4):
             cache[i]
 
 
@@ -195,7 +220,9 @@ def test_only_a_bounded_number_of_shards_stay_open(built_cache, monkeypatch):
     assert all(torch.equal(cache[i]["teacher_ids"], rows[i]) for i in range(len(cache)))
 
 
-def test_a_teacher_overwritten_after_the_build_is_refused_by_load_teacher(teacher_dir, text_file, tmp_path):
+def test_a_teacher_overwritten_after_the_build_is_refused_by_load_teacher(
+    teacher_dir, text_file, tmp_path
+):
     """A re-download of another checkpoint into the teacher's folder: same architecture and tokenizer, other
     weights. --init-from-teacher used to cut the student from it (step-2 loss 11.9 instead of 0.47)."""
     from tests.cache.tiny import make_teacher
@@ -207,7 +234,9 @@ def test_a_teacher_overwritten_after_the_build_is_refused_by_load_teacher(teache
     cache = TopKCache(str(tmp_path / "c"))
     assert cache.load_teacher().vocab == cache.vocab_size  # the same teacher loads
     make_teacher(str(teacher), seed=1)
-    with pytest.raises(CacheError, match=r"teacher at .* is not the one that built it \(its weights sha256"):
+    with pytest.raises(
+        CacheError, match=r"teacher at .* is not the one that built it \(its weights sha256"
+    ):
         cache.load_teacher()
     with pytest.raises(CacheError, match="restore that checkpoint there, or rebuild the cache"):
         train(config(str(tmp_path / "c"), tmp_path / "run", steps=1))

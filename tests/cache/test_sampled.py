@@ -1,6 +1,7 @@
 """Sampled targets (`--targets sampled --samples N`): the distinct drawn ids with count / N (cache format 5,
 stored as counts), unbiased (their mean is the teacher's softmax), seeded per shard (a redone shard writes the
 same bytes), trained on as they are, refused where they make no sense."""
+
 import hashlib
 
 import numpy as np
@@ -16,8 +17,12 @@ from topkd.cache.sampled import distinct_counts, head_sampled
 def test_distinct_counts_by_hand():
     draws = torch.tensor([[5, 3, 5, 9, 5, 3]])
     ids, logprobs = distinct_counts(draws, 6)
-    assert ids.tolist() == [[5, 3, 9, 5, 5, 5]]  # count descending, then id; padding takes the first id
-    assert np.allclose(np.exp(logprobs[0, :3].numpy()), [3 / 6, 2 / 6, 1 / 6]) and np.isneginf(logprobs[0, 3:]).all()
+    # count descending, then id; padding takes the first id
+    assert ids.tolist() == [[5, 3, 9, 5, 5, 5]]
+    assert (
+        np.allclose(np.exp(logprobs[0, :3].numpy()), [3 / 6, 2 / 6, 1 / 6])
+        and np.isneginf(logprobs[0, 3:]).all()
+    )
 
 
 def test_the_targets_are_an_unbiased_estimate_of_the_teachers_softmax():
@@ -29,8 +34,11 @@ def test_the_targets_are_an_unbiased_estimate_of_the_teachers_softmax():
         real = np.isfinite(lp)
         np.add.at(estimate, ids[real], np.exp(lp[real]))
     exact = torch.softmax(hidden[0] @ weight.T, -1).numpy()
-    assert np.abs(estimate / 4000 - exact).max() < 0.01  # 4000 x 20 draws: the standard error is ~0.002
-    assert np.allclose(np.exp(np.where(np.isfinite(rows.logprobs), rows.logprobs, -np.inf)).sum(1), 1.0)
+    # 4000 x 20 draws: the standard error is ~0.002
+    assert np.abs(estimate / 4000 - exact).max() < 0.01
+    assert np.allclose(
+        np.exp(np.where(np.isfinite(rows.logprobs), rows.logprobs, -np.inf)).sum(1), 1.0
+    )
 
 
 def test_the_hybrid_keeps_the_head_exact_and_the_rest_unbiased():
@@ -39,11 +47,14 @@ def test_the_hybrid_keeps_the_head_exact_and_the_rest_unbiased():
     rows = head_sampled(hidden, weight, None, 20, torch.Generator().manual_seed(1), head=3)
     exact = torch.softmax(hidden[0] @ weight.T, -1).numpy()
     head = np.argsort(-exact)[:3]
-    assert (rows.ids[:, :3] == head).all() and np.allclose(np.exp(rows.logprobs[:, :3]), exact[head])
+    assert (rows.ids[:, :3] == head).all() and np.allclose(
+        np.exp(rows.logprobs[:, :3]), exact[head]
+    )
     estimate = np.zeros(30)
     for ids, lp in zip(rows.ids, rows.logprobs):
         real = np.isfinite(lp)
-        assert len(set(ids[real].tolist())) == real.sum()  # no id twice: the head is not drawn again
+        # no id twice: the head is not drawn again
+        assert len(set(ids[real].tolist())) == real.sum()
         np.add.at(estimate, ids[real], np.exp(lp[real]))
     assert np.abs(estimate / 4000 - exact).max() < 0.01 and np.allclose(rows.log_mass, 0, atol=1e-6)
 
@@ -57,7 +68,10 @@ def test_the_hybrid_row_whose_head_holds_all_the_mass_keeps_only_the_head():
 
 
 def _digests(root):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / "shards").glob("*"))}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((root / "shards").glob("*"))
+    }
 
 
 def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file, tmp_path):
@@ -66,27 +80,48 @@ def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file,
     from tests.train.runs import config, losses
     from topkd.train import train
 
-    cfg = cache_config(teacher_dir, text_file, tmp_path / "c", targets="sampled", samples=16, temperatures=[],
-                       max_sequences=12)
+    cfg = cache_config(
+        teacher_dir,
+        text_file,
+        tmp_path / "c",
+        targets="sampled",
+        samples=16,
+        temperatures=[],
+        max_sequences=12,
+    )
     build(cfg)
     cache = TopKCache(str(tmp_path / "c"))
     assert cache.targets == "sampled" and cache.k == 16 and cache.manifest["format_version"] == 5
     row = cache[0]
     real = torch.isfinite(row["teacher_logprobs"])
     assert (real.sum(1) >= 1).all() and (real.sum(1) < 16).any()  # rows of variable K
-    assert torch.allclose(row["teacher_logprobs"].masked_fill(~real, -torch.inf).exp().sum(1), torch.ones(1),
-                          atol=1e-5)
+    assert torch.allclose(
+        row["teacher_logprobs"].masked_fill(~real, -torch.inf).exp().sum(1),
+        torch.ones(1),
+        atol=1e-5,
+    )
     before = _digests(tmp_path / "c")
-    os.remove(tmp_path / "c" / "shards" / "shard-00001.safetensors")  # a lost shard, redone on rerun
+    # a lost shard, redone on rerun
+    os.remove(tmp_path / "c" / "shards" / "shard-00001.safetensors")
     build(cfg)
-    assert _digests(tmp_path / "c") == before  # the shard's own seed: the same draws, the same bytes
+    # the shard's own seed: the same draws, the same bytes
+    assert _digests(tmp_path / "c") == before
     train(config(str(tmp_path / "c"), tmp_path / "run", steps=3, seq_len=24))
     assert np.isfinite(losses(tmp_path / "run")).all()
-    with pytest.raises(ValueError, match=r"sampled targets .* expected divergence kl\|jsd\|tvd, temperature 1 .*"
-                                         r"got divergence=reverse_kl.*; pass --divergence kl"):
+    with pytest.raises(
+        ValueError,
+        match=r"sampled targets .* expected divergence kl\|jsd\|tvd, temperature 1 .*"
+        r"got divergence=reverse_kl.*; pass --divergence kl",
+    ):
         train(config(str(tmp_path / "c"), tmp_path / "rkl", steps=1, divergence="reverse_kl"))
-    with pytest.raises(ValueError, match="--targets sampled: expected --engine hf and no --temperatures"):
-        build(cache_config(teacher_dir, text_file, tmp_path / "t", targets="sampled", temperatures=[2.0]))
+    with pytest.raises(
+        ValueError, match="--targets sampled: expected --engine hf and no --temperatures"
+    ):
+        build(
+            cache_config(
+                teacher_dir, text_file, tmp_path / "t", targets="sampled", temperatures=[2.0]
+            )
+        )
     with pytest.raises(ValueError, match="--head: expected only with --targets sampled"):
         build(cache_config(teacher_dir, text_file, tmp_path / "t", head=4))
 
@@ -95,10 +130,24 @@ def test_a_hybrid_cache_builds_and_trains(teacher_dir, text_file, tmp_path):
     from tests.train.runs import config, losses
     from topkd.train import train
 
-    build(cache_config(teacher_dir, text_file, tmp_path / "c", targets="sampled", samples=12, head=4,
-                       temperatures=[], max_sequences=6))
+    build(
+        cache_config(
+            teacher_dir,
+            text_file,
+            tmp_path / "c",
+            targets="sampled",
+            samples=12,
+            head=4,
+            temperatures=[],
+            max_sequences=6,
+        )
+    )
     cache = TopKCache(str(tmp_path / "c"))
-    assert cache.targets == "sampled" and cache.k == 16 and cache.manifest["build"]["targets"]["head"] == 4
+    assert (
+        cache.targets == "sampled"
+        and cache.k == 16
+        and cache.manifest["build"]["targets"]["head"] == 4
+    )
     assert cache.manifest["format_version"] == 5 and cache.verify() == []
     row = cache[0]
     real = torch.isfinite(row["teacher_logprobs"])
@@ -113,29 +162,59 @@ def test_adaptive_rows_keep_the_fewest_entries_reaching_the_mass_by_hand():
     from topkd.cache.adaptive import adaptive_rows
 
     p = np.array([[0.6, 0.3, 0.05, 0.03]])
-    rows = EngineRows(ids=np.array([[4, 9, 1, 7]]), logprobs=np.log(p).astype(np.float32),
-                      log_mass=np.log(p.sum(1)).astype(np.float32), log_tail=np.log([0.02]).astype(np.float32),
-                      logz=np.zeros((1, 0), np.float32), log_mass_t=np.zeros((1, 0), np.float32))
+    rows = EngineRows(
+        ids=np.array([[4, 9, 1, 7]]),
+        logprobs=np.log(p).astype(np.float32),
+        log_mass=np.log(p.sum(1)).astype(np.float32),
+        log_tail=np.log([0.02]).astype(np.float32),
+        logz=np.zeros((1, 0), np.float32),
+        log_mass_t=np.zeros((1, 0), np.float32),
+    )
     cut = adaptive_rows(rows, top_p=0.85, min_k=1)  # 0.6 < 0.85 <= 0.6 + 0.3: two entries
     assert cut.ids.tolist() == [[4, 9, 4, 4]] and np.isneginf(cut.logprobs[0, 2:]).all()
-    assert np.exp(cut.log_tail[0]) == pytest.approx(0.10, rel=1e-6)  # 0.02 + the dropped 0.05 + 0.03
+    # 0.02 + the dropped 0.05 + 0.03
+    assert np.exp(cut.log_tail[0]) == pytest.approx(0.10, rel=1e-6)
     assert np.exp(cut.log_mass[0]) == pytest.approx(0.90, rel=1e-6)
-    assert np.isfinite(adaptive_rows(rows, top_p=0.85, min_k=3).logprobs[0, :3]).all()  # at least M kept
+    # at least M kept
+    assert np.isfinite(adaptive_rows(rows, top_p=0.85, min_k=3).logprobs[0, :3]).all()
 
 
-def test_an_adaptive_cache_keeps_the_tail_exact_and_trains_tempered(teacher_dir, text_file, tmp_path):
+def test_an_adaptive_cache_keeps_the_tail_exact_and_trains_tempered(
+    teacher_dir, text_file, tmp_path
+):
     from tests.train.runs import config, losses
     from topkd.train import train
 
-    build(cache_config(teacher_dir, text_file, tmp_path / "c", targets="topp", top_p=0.9, min_k=2, k=16,
-                       max_sequences=8))
+    build(
+        cache_config(
+            teacher_dir,
+            text_file,
+            tmp_path / "c",
+            targets="topp",
+            top_p=0.9,
+            min_k=2,
+            k=16,
+            max_sequences=8,
+        )
+    )
     cache = TopKCache(str(tmp_path / "c"))
     assert cache.targets == "topp" and cache.manifest["format_version"] == 5
     row = cache[1]
     real = torch.isfinite(row["teacher_logprobs"])
     assert (real.sum(1) >= 2).all() and (real.sum(1) < 16).any()
     head = row["teacher_logprobs"].double().masked_fill(~real, -torch.inf).exp().sum(1)
-    assert torch.allclose(head + row["log_tail"].double().exp(), torch.ones(len(head), dtype=torch.float64),
-                          atol=1e-5)  # kept mass + the stored tail: the whole distribution
-    train(config(str(tmp_path / "c"), tmp_path / "run", steps=2, seq_len=24, temperature=2.0, tail="bucket"))
+    # kept mass + the stored tail: the whole distribution
+    assert torch.allclose(
+        head + row["log_tail"].double().exp(), torch.ones(len(head), dtype=torch.float64), atol=1e-5
+    )
+    train(
+        config(
+            str(tmp_path / "c"),
+            tmp_path / "run",
+            steps=2,
+            seq_len=24,
+            temperature=2.0,
+            tail="bucket",
+        )
+    )
     assert np.isfinite(losses(tmp_path / "run")).all()

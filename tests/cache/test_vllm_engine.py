@@ -5,6 +5,7 @@ The stand-in `vllm` module answers generate() the way vLLM does (prompt_logprobs
 greedy generated token with its top-K), computed from the tiny HF teacher. So a cache built through
 it must hold the HF engine's rows: same ids in rank order, same log-probs, tail from 1 - mass.
 """
+
 import sys
 import types
 from dataclasses import dataclass
@@ -52,10 +53,18 @@ class RecordedLLM:
             ids = prompt["prompt_token_ids"]
             self.prompts.append(ids)
             logp = torch.log_softmax(self.teacher.model(torch.tensor([ids])).logits[0].float(), -1)
-            prompt_logprobs = [None] + [vllm_entry(logp[t - 1], k, ids[t]) for t in range(1, len(ids))]
-            generated = vllm_entry(logp[-1], k, int(logp[-1].argmax()))  # greedy: always inside the top-K
-            out.append(types.SimpleNamespace(prompt_token_ids=ids, prompt_logprobs=prompt_logprobs,
-                                             outputs=[types.SimpleNamespace(logprobs=[generated])]))
+            prompt_logprobs = [None] + [
+                vllm_entry(logp[t - 1], k, ids[t]) for t in range(1, len(ids))
+            ]
+            # greedy: always inside the top-K
+            generated = vllm_entry(logp[-1], k, int(logp[-1].argmax()))
+            out.append(
+                types.SimpleNamespace(
+                    prompt_token_ids=ids,
+                    prompt_logprobs=prompt_logprobs,
+                    outputs=[types.SimpleNamespace(logprobs=[generated])],
+                )
+            )
         return out
 
 
@@ -67,7 +76,11 @@ class RecordedSamplingParams:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
-    module.LLM, module.SamplingParams, module.__version__ = RecordedLLM, RecordedSamplingParams, "recorded"
+    module.LLM, module.SamplingParams, module.__version__ = (
+        RecordedLLM,
+        RecordedSamplingParams,
+        "recorded",
+    )
     monkeypatch.setitem(sys.modules, "vllm", module)
     RecordedLLM.instances = []
     return module
@@ -82,7 +95,8 @@ def test_conversion_drops_the_extra_entry_and_shifts_rows_by_one():
     recorded = [None, lp((9, -0.1, 1), (3, -2.5, 2)), lp((7, -0.3, 1), (4, -1.5, 2), (2, -6.0, 9))]
     after = lp((4, -0.2, 1), (1, -1.9, 2))
     rows = rows_from_prompt(prompt, recorded, after, k=2)
-    assert rows.ids.tolist() == [[9, 3], [7, 4], [4, 1]]  # row t predicts token t+1; rank 9 (actual 2) dropped
+    # row t predicts token t+1; rank 9 (actual 2) dropped
+    assert rows.ids.tolist() == [[9, 3], [7, 4], [4, 1]]
     np.testing.assert_allclose(rows.logprobs, [[-0.1, -2.5], [-0.3, -1.5], [-0.2, -1.9]], rtol=1e-6)
     mass = np.log(np.exp(-0.1) + np.exp(-2.5))
     np.testing.assert_allclose(rows.log_tail[0], np.log1p(-np.exp(mass)), rtol=1e-5)
@@ -106,20 +120,43 @@ def test_vllm_build_holds_the_hf_engine_rows(fake_vllm, teacher_dir, documents_f
     assert llm.kwargs["max_logprobs"] == 8 and llm.kwargs["enable_prefix_caching"] is False
     hf, vl = TopKCache(str(tmp_path / "hf")), TopKCache(str(tmp_path / "vllm"))
     assert vl.fingerprint["engine"] == "vllm recorded" and len(hf) == len(vl)
-    assert set(vl.fingerprint) == set(hf.fingerprint)  # one fingerprint builder (topkd.cache.teacher.fingerprint)
-    same = ("tokenizer_sha256", "vocab_size", "k", "temperatures", "alignment", "attention", "teacher")
+    # one fingerprint builder (topkd.cache.teacher.fingerprint)
+    assert set(vl.fingerprint) == set(hf.fingerprint)
+    same = (
+        "tokenizer_sha256",
+        "vocab_size",
+        "k",
+        "temperatures",
+        "alignment",
+        "attention",
+        "teacher",
+    )
     assert {key: vl.fingerprint[key] for key in same} == {key: hf.fingerprint[key] for key in same}
-    assert sum(map(len, llm.prompts)) == vl.tokens and len(llm.prompts) > len(vl)  # documents, not sequences
+    # documents, not sequences
+    assert sum(map(len, llm.prompts)) == vl.tokens and len(llm.prompts) > len(vl)
     for i in range(len(hf)):
         a, b = hf[i], vl[i]
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["teacher_ids"], b["teacher_ids"])
-        torch.testing.assert_close(a["teacher_logprobs"], b["teacher_logprobs"], atol=0.02, rtol=0)  # uint8 codes
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(
+            a["teacher_ids"], b["teacher_ids"]
+        )
+        # uint8 codes
+        torch.testing.assert_close(a["teacher_logprobs"], b["teacher_logprobs"], atol=0.02, rtol=0)
         torch.testing.assert_close(a["log_tail"], b["log_tail"], atol=1e-4, rtol=1e-4)
 
 
-def test_vllm_refuses_what_it_cannot_build(fake_vllm, teacher_dir, documents_file, tmp_path, monkeypatch):
+def test_vllm_refuses_what_it_cannot_build(
+    fake_vllm, teacher_dir, documents_file, tmp_path, monkeypatch
+):
     with pytest.raises(ValueError, match="expected no --temperatures"):
-        build(cache_config(teacher_dir, documents_file, tmp_path / "t", engine="vllm", temperatures=[2.0]))
+        build(
+            cache_config(
+                teacher_dir, documents_file, tmp_path / "t", engine="vllm", temperatures=[2.0]
+            )
+        )
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="expected one process"):
-        build(cache_config(teacher_dir, documents_file, tmp_path / "w", engine="vllm", temperatures=[]))
+        build(
+            cache_config(
+                teacher_dir, documents_file, tmp_path / "w", engine="vllm", temperatures=[]
+            )
+        )

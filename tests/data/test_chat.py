@@ -1,6 +1,7 @@
 """Chat conversations: rendered with the teacher's template, one conversation per document, and only the
 assistant turns (with their end-of-turn token) counted, checked by hand on a tiny tokenizer with a template;
 the cache records the mask (format version 3), and training, TopKDataset and eval honour it."""
+
 import json
 
 import pytest
@@ -13,9 +14,13 @@ from topkd.cache import TopKCache, build
 from topkd.data import TopKDataset
 from topkd.data.chat import chat_document
 
-CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
-                {"role": "assistant", "content": "the cat"}, {"role": "user", "content": "and then"},
-                {"role": "assistant", "content": "a dog"}]
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": "the cat"},
+    {"role": "user", "content": "and then"},
+    {"role": "assistant", "content": "a dog"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +36,12 @@ def test_only_assistant_replies_and_their_end_of_turn_are_targets(chat_teacher):
     tok = AutoTokenizer.from_pretrained(chat_teacher)
     doc = chat_document(CONVERSATION, tok, "assistant")
     assert tok.decode(doc.tokens.tolist()) == tok.apply_chat_template(CONVERSATION, tokenize=False)
-    assert _targets_text(tok, doc) == "the cat<|im_end|>a dog<|im_end|>"  # by hand: replies + end of turn
-    reply_tokens = [len(tok("the cat<|im_end|>", add_special_tokens=False)["input_ids"]),
-                    len(tok("a dog<|im_end|>", add_special_tokens=False)["input_ids"])]
+    # by hand: replies + end of turn
+    assert _targets_text(tok, doc) == "the cat<|im_end|>a dog<|im_end|>"
+    reply_tokens = [
+        len(tok("the cat<|im_end|>", add_special_tokens=False)["input_ids"]),
+        len(tok("a dog<|im_end|>", add_special_tokens=False)["input_ids"]),
+    ]
     assert int(doc.targets.sum()) == sum(reply_tokens)
     assert chat_document(CONVERSATION, tok, "all").targets.all()
 
@@ -42,35 +50,50 @@ def test_refusals_name_the_line_and_the_remedy(chat_teacher, teacher_dir):
     tok = AutoTokenizer.from_pretrained(chat_teacher)
     with pytest.raises(ValueError, match=r"c.jsonl:3: expected a non-empty list of"):
         chat_document([{"role": "user"}], tok, where="c.jsonl:3")
-    with pytest.raises(ValueError, match="expected a tokenizer with a chat template.*--chat-template"):
+    with pytest.raises(
+        ValueError, match="expected a tokenizer with a chat template.*--chat-template"
+    ):
         chat_document(CONVERSATION, AutoTokenizer.from_pretrained(teacher_dir))
     rewriting = AutoTokenizer.from_pretrained(chat_teacher)
-    rewriting.chat_template = "{% for m in messages %}{{ m['content'] }}{{ messages|length }}{% endfor %}"
+    rewriting.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{{ messages|length }}{% endfor %}"
+    )
     with pytest.raises(ValueError, match="renders turn 2 differently.*--train-on all"):
         chat_document(CONVERSATION, rewriting)
 
 
 def test_a_chat_cache_counts_exactly_the_assistant_tokens(chat_teacher, tmp_path):
     data = tmp_path / "chat.jsonl"
-    talks = [CONVERSATION, CONVERSATION[:3], [{"role": "user", "content": "why"}, {"role": "assistant", "content":
-                                                                                     "because the cat said so"}]]
+    talks = [
+        CONVERSATION,
+        CONVERSATION[:3],
+        [
+            {"role": "user", "content": "why"},
+            {"role": "assistant", "content": "because the cat said so"},
+        ],
+    ]
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in talks))
     build(cache_config(chat_teacher, str(data), tmp_path / "cache", seq_len=24, temperatures=[]))
     cache = TopKCache(str(tmp_path / "cache"))
     tok = AutoTokenizer.from_pretrained(chat_teacher)
     expected = [chat_document(m, tok) for m in talks]
     assert cache.manifest["format_version"] == 3
-    assert cache.counted_tokens == sum(int(d.targets.sum()) for d in expected)  # the separator is no target
+    # the separator is no target
+    assert cache.counted_tokens == sum(int(d.targets.sum()) for d in expected)
     ids = torch.cat([cache[i]["input_ids"] for i in range(len(cache))])
     counted = torch.cat([cache[i]["row_mask"] for i in range(len(cache))])
-    following = ids[1:][counted[:-1]]  # the tokens counted rows predict (none is predicted past the data)
+    # the tokens counted rows predict (none is predicted past the data)
+    following = ids[1:][counted[:-1]]
     assert not counted[-1]
     assert tok.decode(following.tolist()) == "".join(_targets_text(tok, d) for d in expected)
     item_counts = sum(int(TopKDataset(cache, seq_len=24)[i]["kd_mask"].sum()) for i in range(3))
     assert 0 < item_counts <= cache.counted_tokens
-    samples = [TopKDataset(cache, seq_len=24)[i] for i in range(len(TopKDataset(cache, seq_len=24)))]
+    samples = [
+        TopKDataset(cache, seq_len=24)[i] for i in range(len(TopKDataset(cache, seq_len=24)))
+    ]
     assert sum(int(s["kd_mask"].sum()) for s in samples) == cache.counted_tokens
-    assert all(((s["labels"] >= 0) <= s["kd_mask"]).all() for s in samples)  # CE only where KD counts
+    # CE only where KD counts
+    assert all(((s["labels"] >= 0) <= s["kd_mask"]).all() for s in samples)
 
 
 def test_training_counts_only_assistant_tokens_online_as_offline(chat_teacher, tmp_path):
@@ -82,13 +105,25 @@ def test_training_counts_only_assistant_tokens_online_as_offline(chat_teacher, t
     data.write_text("".join(json.dumps({"messages": CONVERSATION}) + "\n" for _ in range(6)))
     build(cache_config(chat_teacher, str(data), tmp_path / "cache", seq_len=24, temperatures=[]))
     train(config(str(tmp_path / "cache"), tmp_path / "offline", steps=2, seq_len=24))
-    online = config("", tmp_path / "online", steps=2, seq_len=24, teacher=chat_teacher, data=[str(data)],
-                    online_k=16)
+    online = config(
+        "",
+        tmp_path / "online",
+        steps=2,
+        seq_len=24,
+        teacher=chat_teacher,
+        data=[str(data)],
+        online_k=16,
+    )
     train(online)
-    rows = [[json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")] for run in ("offline", "online")]
+    rows = [
+        [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")]
+        for run in ("offline", "online")
+    ]
     assert [r["tokens"] for r in rows[0]] == [r["tokens"] for r in rows[1]]
     counted = TopKCache(str(tmp_path / "cache")).counted_tokens
-    assert 0 < sum(r["tokens"] for r in rows[0]) <= counted < TopKCache(str(tmp_path / "cache")).tokens
+    assert (
+        0 < sum(r["tokens"] for r in rows[0]) <= counted < TopKCache(str(tmp_path / "cache")).tokens
+    )
 
 
 def test_eval_text_scores_a_conversation_on_its_assistant_turns(chat_teacher, tmp_path):
@@ -130,8 +165,10 @@ def test_a_rewritten_row_mask_with_fixed_checksums_is_refused(chat_teacher, tmp_
     manifest["totals"]["bytes"] = side["bytes"]
     json.dump(manifest, open(root / "manifest.json", "w"))
     cache = TopKCache(str(root))
-    assert cache.verify() == [f"shards/shard-00000.safetensors: its row_mask counts {len(tensors['row_mask'])} "
-                              f"rows, the sidecar recorded {side['counted']}"]
+    assert cache.verify() == [
+        f"shards/shard-00000.safetensors: its row_mask counts {len(tensors['row_mask'])} "
+        f"rows, the sidecar recorded {side['counted']}"
+    ]
     with pytest.raises(CacheError, match="row_mask counts"):
         cache[0]
 
@@ -141,28 +178,42 @@ def _jsonl(path, records) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("talk, template", [
-    ([{"role": "user", "content": "hi"}, {"role": "Assistant", "content": "the cat"}], None),
-    ([{"role": "user", "content": "hi"}, {"role": "model", "content": "the cat"}], None),
-    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "the cat"}], None),
-    (CONVERSATION, "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
-                   "{% endfor %}"),
-])
-def test_chat_data_without_targets_is_refused_naming_the_roles(chat_teacher, tmp_path, talk, template):
+@pytest.mark.parametrize(
+    "talk, template",
+    [
+        ([{"role": "user", "content": "hi"}, {"role": "Assistant", "content": "the cat"}], None),
+        ([{"role": "user", "content": "hi"}, {"role": "model", "content": "the cat"}], None),
+        ([{"role": "user", "content": "hi"}, {"role": "user", "content": "the cat"}], None),
+        (
+            CONVERSATION,
+            "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+            "{% endfor %}",
+        ),
+    ],
+)
+def test_chat_data_without_targets_is_refused_naming_the_roles(
+    chat_teacher, tmp_path, talk, template
+):
     """It built and 'trained' with 0 tokens, loss 0, exit 0."""
     data = _jsonl(tmp_path / "chat.jsonl", [{"messages": talk}] * 3)
     kw = {}
     if template:
         (tmp_path / "t.jinja").write_text(template)
         kw["chat_template"] = str(tmp_path / "t.jinja")
-    with pytest.raises(ValueError, match="expected assistant turns to train on .*roles seen: ") as refused:
-        build(cache_config(chat_teacher, data, tmp_path / "cache", seq_len=24, temperatures=[], **kw))
+    with pytest.raises(
+        ValueError, match="expected assistant turns to train on .*roles seen: "
+    ) as refused:
+        build(
+            cache_config(chat_teacher, data, tmp_path / "cache", seq_len=24, temperatures=[], **kw)
+        )
     assert all(f"{m['role']!r} x" in str(refused.value) for m in talk)
     assert ("renders none of their text" in str(refused.value)) == bool(template)
     assert not (tmp_path / "cache").exists()
 
 
-def test_a_cache_or_step_with_no_counted_token_never_trains(chat_teacher, tmp_path, capfd, monkeypatch):
+def test_a_cache_or_step_with_no_counted_token_never_trains(
+    chat_teacher, tmp_path, capfd, monkeypatch
+):
     from tests.train.runs import config
     from topkd.train import loop, train
 
@@ -188,28 +239,45 @@ def test_a_conversation_opening_with_the_assistant_counts_its_reply(chat_teacher
     assert _targets_text(tok, doc) == "the cat<|im_end|>a dog<|im_end|>"
 
 
-@pytest.mark.parametrize("template, words", [
-    ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversation roles must alternate "
-     "user/assistant') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-     "(TemplateError: Conversation roles must alternate user/assistant); the template refuses this conversation"),
-    ("{% for m in messages %}{{ m['content'] }{% endfor %}", "(TemplateSyntaxError: unexpected '}'); the template "
-                                                             "is not valid Jinja"),
-    ("{% for m in messages %}{{ m['content'] + foo.bar }}{% endfor %}", "(UndefinedError: 'foo' is undefined)"),
-])
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        (
+            "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversation roles must alternate "
+            "user/assistant') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            "(TemplateError: Conversation roles must alternate user/assistant); the template refuses this conversation",
+        ),
+        (
+            "{% for m in messages %}{{ m['content'] }{% endfor %}",
+            "(TemplateSyntaxError: unexpected '}'); the template is not valid Jinja",
+        ),
+        (
+            "{% for m in messages %}{{ m['content'] + foo.bar }}{% endfor %}",
+            "(UndefinedError: 'foo' is undefined)",
+        ),
+    ],
+)
 def test_chat_template_errors_name_the_record(chat_teacher, template, words):
     tok = AutoTokenizer.from_pretrained(chat_teacher)
     tok.chat_template = template
     with pytest.raises(ValueError) as refused:
         chat_document(CONVERSATION[2:], tok, where="c.jsonl:7")
-    assert str(refused.value).startswith("c.jsonl:7: the chat template failed ") and words in str(refused.value)
+    assert str(refused.value).startswith("c.jsonl:7: the chat template failed ") and words in str(
+        refused.value
+    )
 
 
-@pytest.mark.parametrize("record, words", [
-    ('{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "message 0 content: expected text, got a lone "
-                                                                  "surrogate '\\ud83d' at character 3"),
-    ('{"text": "broken \\udc00 escape"}', "text: expected text, got a lone surrogate"),
-    ('{"text": "a", "messages": [{"role": "user", "content": "hi"}]}', "got both; pick one"),
-])
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        (
+            '{"messages": [{"role": "user", "content": "hi \\ud83d"}]}',
+            "message 0 content: expected text, got a lone surrogate '\\ud83d' at character 3",
+        ),
+        ('{"text": "broken \\udc00 escape"}', "text: expected text, got a lone surrogate"),
+        ('{"text": "a", "messages": [{"role": "user", "content": "hi"}]}', "got both; pick one"),
+    ],
+)
 def test_malformed_records_name_their_line(chat_teacher, tmp_path, record, words):
     from topkd.data.documents import iter_documents
 

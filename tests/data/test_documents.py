@@ -1,4 +1,5 @@
 """Cache input: packing into sequences with document starts, JSONL and .npy inputs, refusals."""
+
 import json
 
 import numpy as np
@@ -19,22 +20,35 @@ def test_packing_cuts_sequences_and_records_document_starts():
     assert np.array_equal(np.concatenate([s.tokens for s in seqs]), stream)  # nothing dropped
     assert [len(s.tokens) for s in seqs] == [4, 4, 4, 4, 4, 2]
     assert [list(s.doc_starts) for s in seqs] == [[0], [0, 2], [0, 2], [0], [0], [0]]
-    assert [s.token_offset for s in seqs] == [0, 4, 8, 12, 16, 20] and [s.index for s in seqs] == list(range(6))
+    assert [s.token_offset for s in seqs] == [0, 4, 8, 12, 16, 20] and [
+        s.index for s in seqs
+    ] == list(range(6))
 
 
 def test_ready_made_sequences_from_a_2d_array(tmp_path):
     np.save(tmp_path / "seqs.npy", np.arange(12).reshape(3, 4).astype(np.int32))
     np.save(tmp_path / "stream.npy", np.arange(5).astype(np.int64))
-    docs = iter_documents([str(tmp_path / "stream.npy"), str(tmp_path / "seqs.npy")], CharTokenizer())
+    docs = iter_documents(
+        [str(tmp_path / "stream.npy"), str(tmp_path / "seqs.npy")], CharTokenizer()
+    )
     seqs = list(pack_sequences(docs, 4, separator=None))
-    assert [s.tokens.tolist() for s in seqs] == [[0, 1, 2, 3], [4], [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [s.tokens.tolist() for s in seqs] == [
+        [0, 1, 2, 3],
+        [4],
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+    ]
     assert [s.token_offset for s in seqs] == [0, 4, 5, 9, 13]
 
 
 def test_jsonl_documents_and_their_errors(tmp_path):
     good = tmp_path / "a.jsonl"
     good.write_text(json.dumps({"body": "abc"}) + "\n\n" + json.dumps({"body": "de"}) + "\n")
-    assert [d.tolist() for d in iter_documents([str(good)], CharTokenizer(), "body")] == [[47, 48, 49], [0, 1]]
+    assert [d.tolist() for d in iter_documents([str(good)], CharTokenizer(), "body")] == [
+        [47, 48, 49],
+        [0, 1],
+    ]
     with pytest.raises(ValueError, match="string field 'text'"):
         list(iter_documents([str(good)], CharTokenizer()))
     bad = tmp_path / "b.jsonl"
@@ -43,7 +57,9 @@ def test_jsonl_documents_and_their_errors(tmp_path):
         list(iter_documents([str(bad)], CharTokenizer()))
 
 
-@pytest.mark.parametrize("name,content,match", [("x.csv", "a", "ending in"), ("f.npy", None, "integer array")])
+@pytest.mark.parametrize(
+    "name,content,match", [("x.csv", "a", "ending in"), ("f.npy", None, "integer array")]
+)
 def test_unsupported_inputs_are_refused(tmp_path, name, content, match):
     path = tmp_path / name
     if content is None:
@@ -81,8 +97,12 @@ def test_a_huge_single_line_is_read_in_bounded_blocks(tmp_path, monkeypatch):
         def __call__(self, text, add_special_tokens=False):
             seen.append(len(text))
             return super().__call__(text)
-    seqs = list(itertools.islice(pack_sequences(iter_documents([str(path)], Counting()), 1000, 0), 3))
-    assert len(seqs) == 3 and sum(seen) <= 2 * (1 << 16)  # one block of at most twice the block size
+
+    seqs = list(
+        itertools.islice(pack_sequences(iter_documents([str(path)], Counting()), 1000, 0), 3)
+    )
+    # one block of at most twice the block size
+    assert len(seqs) == 3 and sum(seen) <= 2 * (1 << 16)
     whole_text = path.read_text()[: sum(seen)]
     assert all(len(s.tokens) == 1000 for s in seqs) and whole_text.startswith("word word")
 
@@ -95,5 +115,6 @@ def test_text_blocks_cut_long_lines_at_spaces_and_keep_every_character(tmp_path,
     (tmp_path / "t.txt").write_text(text)
     blocks = list(data._text_blocks(str(tmp_path / "t.txt")))
     assert "".join(blocks) == text
-    assert all(b.endswith((" ", "\n")) for b in blocks if "yyyy" not in b)  # a spaceless run is cut hard
+    # a spaceless run is cut hard
+    assert all(b.endswith((" ", "\n")) for b in blocks if "yyyy" not in b)
     assert max(len(b) for b in blocks) <= 2 * 64

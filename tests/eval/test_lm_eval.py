@@ -4,6 +4,7 @@ A local multiple-choice task is scored twice: by lm-evaluation-harness through `
 (task YAML from --lm-eval-include) and by topkd's own `--choices`. Same prompts, so the same
 per-choice log-likelihoods, acc and acc_norm.
 """
+
 import json
 
 import pytest
@@ -15,8 +16,20 @@ from topkd.eval.run import run_eval
 
 pytestmark = pytest.mark.slow
 
-WORDS = ["stone", "a river of silver light", "the king", "seven", "no", "an old and weary horse", "blue", "yes",
-         "the sea at night", "bread", "fire", "a long forgotten song of the north"]
+WORDS = [
+    "stone",
+    "a river of silver light",
+    "the king",
+    "seven",
+    "no",
+    "an old and weary horse",
+    "blue",
+    "yes",
+    "the sea at night",
+    "bread",
+    "fire",
+    "a long forgotten song of the north",
+]
 TASK_YAML = """task: topkd_local_choice
 dataset_path: json
 dataset_kwargs:
@@ -35,9 +48,14 @@ metric_list:
 
 @pytest.fixture
 def local_task(tmp_path):
-    rows = [{"question": f"What is {WORDS[i % 12]} like?",
-             "choices": [WORDS[(i + j * 5) % 12] for j in range(2 + i % 3)],
-             "answer": i % (2 + i % 3)} for i in range(24)]
+    rows = [
+        {
+            "question": f"What is {WORDS[i % 12]} like?",
+            "choices": [WORDS[(i + j * 5) % 12] for j in range(2 + i % 3)],
+            "answer": i % (2 + i % 3),
+        }
+        for i in range(24)
+    ]
     data = tmp_path / "local_choice.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tasks = tmp_path / "tasks"
@@ -52,22 +70,34 @@ def test_harness_on_a_local_task_agrees_with_topkd_choices(teacher_dir, local_ta
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     data, tasks = local_task
     ours = run_eval(EvalConfig(model=teacher_dir, choices=[data]))["choices:local_choice"]
-    theirs = run_eval(EvalConfig(model=teacher_dir, lm_eval=["topkd_local_choice"], lm_eval_include=tasks))
+    theirs = run_eval(
+        EvalConfig(model=teacher_dir, lm_eval=["topkd_local_choice"], lm_eval_include=tasks)
+    )
     metrics = theirs["lm_eval"]["topkd_local_choice"]
-    assert 0 < ours["acc"] < 1 and ours["acc"] != ours["acc_norm"]  # a test that can tell the two apart
-    assert metrics["acc,none"] == pytest.approx(ours["acc"]) and metrics["acc_norm,none"] == pytest.approx(
-        ours["acc_norm"])
+    # a test that can tell the two apart
+    assert 0 < ours["acc"] < 1 and ours["acc"] != ours["acc_norm"]
+    assert metrics["acc,none"] == pytest.approx(ours["acc"]) and metrics[
+        "acc_norm,none"
+    ] == pytest.approx(ours["acc_norm"])
 
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={teacher_dir}", tasks=["topkd_local_choice"],
-                                  device="cpu", log_samples=True, task_manager=TaskManager(include_path=tasks))
+    out = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={teacher_dir}",
+        tasks=["topkd_local_choice"],
+        device="cpu",
+        log_samples=True,
+        task_manager=TaskManager(include_path=tasks),
+    )
     samples = sorted(out["samples"]["topkd_local_choice"], key=lambda s: s["doc_id"])
     teacher = load_teacher(teacher_dir, "float32", "cpu")
     items, _ = load_choice_file(data)
     for sample, item in zip(samples, items, strict=True):
         harness = [float(r[0][0]) for r in sample["resps"]]
-        assert score_item(teacher.model, teacher.tokenizer, item) == pytest.approx(harness, rel=1e-4, abs=1e-4)
+        assert score_item(teacher.model, teacher.tokenizer, item) == pytest.approx(
+            harness, rel=1e-4, abs=1e-4
+        )
         ours = evaluate_choices(teacher.model, teacher.tokenizer, [item])
         assert (ours["acc"], ours["acc_norm"]) == (sample["acc"], sample["acc_norm"])
 

@@ -18,4 +18,6 @@ def test_teacher_against_its_own_cache_is_near_zero_kl(teacher, built_cache, tea
     for p in other.parameters():
         p.data.add_(torch.randn_like(p) * 0.5)
     far = evaluate_vs_cache(other.eval(), TopKCache(built_cache))
-    assert far["kl_bucket"] > 10 * own["kl_bucket"] and far["top1_agreement"] < own["top1_agreement"]
+    assert (
+        far["kl_bucket"] > 10 * own["kl_bucket"] and far["top1_agreement"] < own["top1_agreement"]
+    )

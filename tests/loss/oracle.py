@@ -2,27 +2,42 @@
 
 Written independently of topkd's code (no shared helpers), so agreement means something.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def make_problem(n=37, vocab=101, hidden=16, k=7, dtype=torch.float64, seed=0, batch=None, bias=True,
-                 temperatures=(0.5, 1.0, 2.0), teacher_scale=3.0):
+def make_problem(
+    n=37,
+    vocab=101,
+    hidden=16,
+    k=7,
+    dtype=torch.float64,
+    seed=0,
+    batch=None,
+    bias=True,
+    temperatures=(0.5, 1.0, 2.0),
+    teacher_scale=3.0,
+):
     """Random student (X, W, b) and a full teacher turned into K distinct ids + log-probs + c_T."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, hidden, generator=g, dtype=torch.float64)
     w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden**0.5 * 2
     b = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5 if bias else None
-    full = torch.log_softmax(torch.randn(n, vocab, generator=g, dtype=torch.float64) * teacher_scale, -1)
+    full = torch.log_softmax(
+        torch.randn(n, vocab, generator=g, dtype=torch.float64) * teacher_scale, -1
+    )
     ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n)])
     logprobs = full.gather(1, ids)
     logz = {t: torch.logsumexp(full / t, -1) for t in temperatures}
     labels = torch.randint(0, vocab, (n,), generator=g)
     labels[::5] = -100
     mask = torch.rand(n, generator=g) > 0.3
-    out = dict(x=x, w=w, b=b, ids=ids, logprobs=logprobs, logz=logz, labels=labels, mask=mask, full=full)
+    out = dict(
+        x=x, w=w, b=b, ids=ids, logprobs=logprobs, logz=logz, labels=labels, mask=mask, full=full
+    )
     if batch is not None:
         for key in ("x", "ids", "logprobs", "labels", "mask", "full"):
             out[key] = out[key].reshape(batch, n // batch, *out[key].shape[1:])
@@ -37,8 +52,25 @@ def _safe_plogpq(p, log_p, log_q):
     return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
 
 
-def oracle(x, w, b, ids, logprobs, *, mask=None, teacher_logz=None, divergence="kl", tail="bucket", temperature=1.0,
-           beta=0.5, labels=None, ce_weight=0.0, reduction="mean", dtype=torch.float64, softcap=None):
+def oracle(
+    x,
+    w,
+    b,
+    ids,
+    logprobs,
+    *,
+    mask=None,
+    teacher_logz=None,
+    divergence="kl",
+    tail="bucket",
+    temperature=1.0,
+    beta=0.5,
+    labels=None,
+    ce_weight=0.0,
+    reduction="mean",
+    dtype=torch.float64,
+    softcap=None,
+):
     """The loss with plain autograd in `dtype`: float64 is the oracle; bf16 etc. is "naive same-dtype"."""
     vocab, k, h = w.shape[0], ids.shape[-1], x.shape[-1]
     lead = x.shape[:-1]
@@ -61,7 +93,11 @@ def oracle(x, w, b, ids, logprobs, *, mask=None, teacher_logz=None, divergence="
     if k == vocab:  # the tail bucket is empty for both: leave it out
         P, Q = p_top, q_top
     else:
-        p_tail = torch.zeros_like(p_top[:, :1]) if tail == "renorm" else (1 - p_top.sum(-1, keepdim=True)).clamp_min(0)
+        p_tail = (
+            torch.zeros_like(p_top[:, :1])
+            if tail == "renorm"
+            else (1 - p_top.sum(-1, keepdim=True)).clamp_min(0)
+        )
         P = torch.cat([p_top, p_tail], -1)
         Q = torch.cat([q_top, 1 - q_top.sum(-1, keepdim=True)], -1)
     logP, logQ = torch.log(P.clamp_min(torch.finfo(dtype).tiny)), torch.log(Q)
@@ -71,7 +107,9 @@ def oracle(x, w, b, ids, logprobs, *, mask=None, teacher_logz=None, divergence="
         kd = _safe_plogpq(Q, logQ, logP).sum(-1)
     elif divergence == "jsd":
         M = beta * P + (1 - beta) * Q
-        kd = beta * _safe_plogpq(P, logP, M.log()).sum(-1) + (1 - beta) * _safe_plogpq(Q, logQ, M.log()).sum(-1)
+        kd = beta * _safe_plogpq(P, logP, M.log()).sum(-1) + (1 - beta) * _safe_plogpq(
+            Q, logQ, M.log()
+        ).sum(-1)
     else:
         kd = 0.5 * (P - Q).abs().sum(-1)
     kd = kd * t * t

@@ -3,14 +3,19 @@
 Odd shapes on purpose: N=37 and V=101 are not multiples of chunk_size=8; 30% of tokens are
 masked; a fifth of labels are -100; CE is mixed in. Gradients of hidden, weight and bias.
 """
+
 import pytest
 import torch
 
 import topkd
 from tests.loss.oracle import make_problem, oracle
 
-CASES = [(d, t) for d in ("kl", "reverse_kl", "jsd", "tvd") for t in ("bucket", "renorm")
-         if not (d == "reverse_kl" and t == "renorm")]
+CASES = [
+    (d, t)
+    for d in ("kl", "reverse_kl", "jsd", "tvd")
+    for t in ("bucket", "renorm")
+    if not (d == "reverse_kl" and t == "renorm")
+]
 
 
 def run(fn, pb, reduction, seed_go=0, **kw):
@@ -18,7 +23,9 @@ def run(fn, pb, reduction, seed_go=0, **kw):
     b = None if pb["b"] is None else pb["b"].clone().requires_grad_()
     loss = fn(x, w, b, **kw, reduction=reduction)
     if reduction == "none":
-        go = torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed_go), dtype=loss.dtype)
+        go = torch.rand(
+            loss.shape, generator=torch.Generator().manual_seed(seed_go), dtype=loss.dtype
+        )
     else:
         go = torch.tensor(1.7, dtype=loss.dtype)  # != 1: exercises the grad_output scaling
     (loss * go).sum().backward()
@@ -28,6 +35,7 @@ def run(fn, pb, reduction, seed_go=0, **kw):
 def topkd_fn(impl, chunk=8):
     def fn(x, w, b, *, ids, logprobs, **kw):
         return topkd.fused_linear_kd(x, w, ids, logprobs, bias=b, impl=impl, chunk_size=chunk, **kw)
+
     return fn
 
 
@@ -53,10 +61,20 @@ def problem():
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 @pytest.mark.parametrize("divergence,tail", CASES)
 def test_matches_float64_oracle(problem, divergence, tail, temperature, reduction, impl):
-    kw = dict(ids=problem["ids"], logprobs=problem["logprobs"], mask=problem["mask"], divergence=divergence,
-              tail=tail, temperature=temperature, labels=problem["labels"], ce_weight=0.3,
-              teacher_logz=problem["logz"][temperature] if tail == "bucket" else None)
-    assert_all_close(run(topkd_fn(impl), problem, reduction, **kw), run(oracle_fn, problem, reduction, **kw))
+    kw = dict(
+        ids=problem["ids"],
+        logprobs=problem["logprobs"],
+        mask=problem["mask"],
+        divergence=divergence,
+        tail=tail,
+        temperature=temperature,
+        labels=problem["labels"],
+        ce_weight=0.3,
+        teacher_logz=problem["logz"][temperature] if tail == "bucket" else None,
+    )
+    assert_all_close(
+        run(topkd_fn(impl), problem, reduction, **kw), run(oracle_fn, problem, reduction, **kw)
+    )
 
 
 @pytest.mark.parametrize("impl", ["fused", "chunked", "dense"])
@@ -72,8 +90,16 @@ def test_k_extremes(divergence, k, impl):
 def test_full_support_kl_is_full_vocabulary_kl(temperature):
     """K = V: bucket KL equals the textbook KL(p_T || q_T) over the whole vocabulary, to rounding."""
     pb = make_problem(k=101, seed=2, bias=False)
-    loss = topkd.fused_linear_kd(pb["x"], pb["w"], pb["ids"], pb["logprobs"], temperature=temperature,
-                                 teacher_logz=pb["logz"][temperature], chunk_size=8, reduction="none")
+    loss = topkd.fused_linear_kd(
+        pb["x"],
+        pb["w"],
+        pb["ids"],
+        pb["logprobs"],
+        temperature=temperature,
+        teacher_logz=pb["logz"][temperature],
+        chunk_size=8,
+        reduction="none",
+    )
     log_p = torch.log_softmax(pb["full"] / temperature, -1)
     log_q = torch.log_softmax(pb["x"] @ pb["w"].T / temperature, -1)
     textbook = (log_p.exp() * (log_p - log_q)).sum(-1) * temperature**2
@@ -84,17 +110,27 @@ def test_full_support_kl_is_full_vocabulary_kl(temperature):
 def test_batched_hidden_and_no_bias(impl):
     pb = make_problem(n=36, batch=4, bias=False, seed=3)
     for reduction in ("mean", "none"):
-        kw = dict(ids=pb["ids"], logprobs=pb["logprobs"], mask=pb["mask"], labels=pb["labels"], ce_weight=1.0)
+        kw = dict(
+            ids=pb["ids"],
+            logprobs=pb["logprobs"],
+            mask=pb["mask"],
+            labels=pb["labels"],
+            ce_weight=1.0,
+        )
         got = run(topkd_fn(impl, chunk=5), pb, reduction, **kw)
         assert got[0].shape == (() if reduction == "mean" else (4, 9))
         assert_all_close(got, run(oracle_fn, pb, reduction, **kw))
 
 
 def test_chunk_size_does_not_change_the_result(problem):
-    kw = dict(ids=problem["ids"], logprobs=problem["logprobs"], mask=problem["mask"], divergence="jsd")
+    kw = dict(
+        ids=problem["ids"], logprobs=problem["logprobs"], mask=problem["mask"], divergence="jsd"
+    )
     ref = run(topkd_fn("fused", chunk=None), problem, "mean", **kw)
     for chunk in (1, 3, 36, 37, 1000):
-        assert_all_close(run(topkd_fn("fused", chunk=chunk), problem, "mean", **kw), ref, atol=1e-13)
+        assert_all_close(
+            run(topkd_fn("fused", chunk=chunk), problem, "mean", **kw), ref, atol=1e-13
+        )
 
 
 @pytest.mark.slow
@@ -121,14 +157,27 @@ def test_realistic_vocab_fp32_fused_matches_dense(divergence):
 def test_soft_capped_logits_match_the_oracle(impl, temperature, ce):
     """Gemma-2 style final_logit_softcapping (c = 2, so the cap bites on these logits): loss and gradients."""
     pb = make_problem(seed=4)
-    kw = dict(ids=pb["ids"], logprobs=pb["logprobs"], mask=pb["mask"], softcap=2.0, temperature=temperature,
-              teacher_logz=pb["logz"][temperature], labels=pb["labels"], ce_weight=0.5 if ce else 0.0)
+    kw = dict(
+        ids=pb["ids"],
+        logprobs=pb["logprobs"],
+        mask=pb["mask"],
+        softcap=2.0,
+        temperature=temperature,
+        teacher_logz=pb["logz"][temperature],
+        labels=pb["labels"],
+        ce_weight=0.5 if ce else 0.0,
+    )
     for reduction in ("mean", "none"):
-        assert_all_close(run(topkd_fn(impl), pb, reduction, **kw), run(oracle_fn, pb, reduction, **kw))
+        assert_all_close(
+            run(topkd_fn(impl), pb, reduction, **kw), run(oracle_fn, pb, reduction, **kw)
+        )
 
 
 def test_soft_cap_changes_the_loss():
     """Guards the test above: the cap is not a no-op at these shapes."""
     pb = make_problem(seed=4)
     args = (pb["x"], pb["w"], pb["ids"], pb["logprobs"])
-    assert abs(float(topkd.fused_linear_kd(*args, softcap=2.0)) - float(topkd.fused_linear_kd(*args))) > 1e-2
+    assert (
+        abs(float(topkd.fused_linear_kd(*args, softcap=2.0)) - float(topkd.fused_linear_kd(*args)))
+        > 1e-2
+    )

@@ -1,4 +1,5 @@
 """Edge cases: all-masked batches, grad modes (no_grad, frozen hidden), the nn.Module, output dtypes."""
+
 import pytest
 import torch
 
@@ -11,8 +12,18 @@ from tests.loss.oracle import make_problem, oracle
 def test_all_masked_gives_zero_loss_and_zero_grads(impl, reduction):
     pb = make_problem(n=10, seed=4)
     x, w, b = (pb[k].clone().requires_grad_() for k in ("x", "w", "b"))
-    loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"], bias=b, mask=torch.zeros(10, dtype=torch.bool),
-                                 labels=pb["labels"], ce_weight=0.5, impl=impl, reduction=reduction)
+    loss = topkd.fused_linear_kd(
+        x,
+        w,
+        pb["ids"],
+        pb["logprobs"],
+        bias=b,
+        mask=torch.zeros(10, dtype=torch.bool),
+        labels=pb["labels"],
+        ce_weight=0.5,
+        impl=impl,
+        reduction=reduction,
+    )
     loss.sum().backward()
     assert torch.all(loss == 0)
     for g in (x.grad, w.grad, b.grad):
@@ -25,7 +36,9 @@ def test_no_grad_forward_matches_and_builds_no_graph():
     with torch.no_grad():
         loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"], chunk_size=8)
     assert not loss.requires_grad
-    torch.testing.assert_close(loss, oracle(pb["x"], pb["w"], None, pb["ids"], pb["logprobs"]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        loss, oracle(pb["x"], pb["w"], None, pb["ids"], pb["logprobs"]), atol=1e-12, rtol=0
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -33,7 +46,9 @@ def test_frozen_hidden_gets_no_grad_and_weight_grad_is_right(reduction):
     pb = make_problem(seed=6)
     w1, w2 = pb["w"].clone().requires_grad_(), pb["w"].clone().requires_grad_()
     x = pb["x"]  # frozen backbone: no grad wanted for hidden
-    topkd.fused_linear_kd(x, w1, pb["ids"], pb["logprobs"], chunk_size=8, reduction=reduction).sum().backward()
+    topkd.fused_linear_kd(
+        x, w1, pb["ids"], pb["logprobs"], chunk_size=8, reduction=reduction
+    ).sum().backward()
     oracle(x, w2, None, pb["ids"], pb["logprobs"], reduction=reduction).sum().backward()
     assert x.grad is None
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-10, rtol=1e-8)
@@ -44,8 +59,16 @@ def test_kdloss_module_matches_function():
     module = topkd.KDLoss(divergence="jsd", beta=0.3, chunk_size=5)
     assert "jsd" in repr(module)
     got = module(pb["x"], pb["w"], pb["ids"], pb["logprobs"], mask=pb["mask"], bias=pb["b"])
-    want = topkd.fused_linear_kd(pb["x"], pb["w"], pb["ids"], pb["logprobs"], mask=pb["mask"], bias=pb["b"],
-                                 divergence="jsd", beta=0.3)
+    want = topkd.fused_linear_kd(
+        pb["x"],
+        pb["w"],
+        pb["ids"],
+        pb["logprobs"],
+        mask=pb["mask"],
+        bias=pb["b"],
+        divergence="jsd",
+        beta=0.3,
+    )
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
@@ -62,9 +85,11 @@ def test_dtypes_of_loss_and_grads(dtype):
 def test_default_chunk_comes_from_a_byte_budget():
     from topkd.loss.chunk import LossSpec
     from topkd.loss.fused import chunk_rows
+
     assert chunk_rows(32768, torch.float32, LossSpec(), False) == 2048  # 256 MiB / (32768 x 4 B)
     assert chunk_rows(201088, torch.bfloat16, LossSpec(), False) == 2**28 // (201088 * 8)
-    assert chunk_rows(32768, torch.float32, LossSpec(temperature=2.0), True) == 1024  # two fp32 buffers
+    # two fp32 buffers
+    assert chunk_rows(32768, torch.float32, LossSpec(temperature=2.0), True) == 1024
 
 
 def test_cpu_chunk_buffer_is_reused_across_calls_and_can_be_released():
@@ -103,14 +128,31 @@ def test_jsd_near_the_ends_of_beta_is_never_negative(beta, tail):
     for seed in range(10):
         pb = make_problem(n=16, seed=seed)
         for impl in ("fused", "chunked", "dense"):
-            loss = topkd.fused_linear_kd(pb["x"], pb["w"], pb["ids"], pb["logprobs"], divergence="jsd", beta=beta,
-                                         tail=tail, reduction="none", impl=impl)
+            loss = topkd.fused_linear_kd(
+                pb["x"],
+                pb["w"],
+                pb["ids"],
+                pb["logprobs"],
+                divergence="jsd",
+                beta=beta,
+                tail=tail,
+                reduction="none",
+                impl=impl,
+            )
             assert loss.min() >= 0, (seed, impl, float(loss.min()))
     # the student equal to the teacher: JSD is 0 up to rounding, and rounding must not make it negative
     logits = pb["x"] @ pb["w"].T
     top = torch.log_softmax(logits.double(), -1).float().topk(5, -1)
-    same = topkd.fused_linear_kd(pb["x"], pb["w"], top.indices, top.values, divergence="jsd", beta=beta, tail=tail,
-                                 reduction="none")
+    same = topkd.fused_linear_kd(
+        pb["x"],
+        pb["w"],
+        top.indices,
+        top.values,
+        divergence="jsd",
+        beta=beta,
+        tail=tail,
+        reduction="none",
+    )
     assert same.min() >= 0 and same.max() < 1e-5
 
 

@@ -1,4 +1,5 @@
 """Every refusal: the message must name what was expected, what came, and (where one exists) the fix."""
+
 import pytest
 import torch
 
@@ -9,10 +10,21 @@ PB = make_problem(n=6, vocab=11, hidden=4, k=3, seed=9, dtype=torch.float32)
 
 
 def call(**over):
-    args = dict(hidden=PB["x"], weight=PB["w"], teacher_ids=PB["ids"], teacher_logprobs=PB["logprobs"].float())
+    args = dict(
+        hidden=PB["x"],
+        weight=PB["w"],
+        teacher_ids=PB["ids"],
+        teacher_logprobs=PB["logprobs"].float(),
+    )
     args.update(over)
-    kw = {k: args.pop(k) for k in list(args) if k not in ("hidden", "weight", "teacher_ids", "teacher_logprobs")}
-    return topkd.fused_linear_kd(args["hidden"], args["weight"], args["teacher_ids"], args["teacher_logprobs"], **kw)
+    kw = {
+        k: args.pop(k)
+        for k in list(args)
+        if k not in ("hidden", "weight", "teacher_ids", "teacher_logprobs")
+    }
+    return topkd.fused_linear_kd(
+        args["hidden"], args["weight"], args["teacher_ids"], args["teacher_logprobs"], **kw
+    )
 
 
 def ids_with(value):
@@ -43,16 +55,34 @@ REFUSALS = [
     (dict(teacher_ids=ids_with(-1)), ValueError, "expected values in [0, 11)"),
     (dict(teacher_ids=PB["ids"].float()), TypeError, "teacher_ids: expected an integer dtype"),
     (dict(teacher_ids=PB["ids"][:5]), ValueError, "teacher_ids: expected shape"),
-    (dict(teacher_ids=torch.arange(12).repeat(6, 1), teacher_logprobs=torch.full((6, 12), -3.0)), ValueError,
-     "expected 1 <= K <= V=11, got K=12"),
-    (dict(teacher_logprobs=PB["logprobs"].float()[:, :2]), ValueError, "teacher_logprobs: expected shape"),
-    (dict(teacher_logprobs=logprobs_with(float("nan"))), ValueError,
-     "expected finite values (or -inf for padding), got 1 NaN/+inf"),
+    (
+        dict(teacher_ids=torch.arange(12).repeat(6, 1), teacher_logprobs=torch.full((6, 12), -3.0)),
+        ValueError,
+        "expected 1 <= K <= V=11, got K=12",
+    ),
+    (
+        dict(teacher_logprobs=PB["logprobs"].float()[:, :2]),
+        ValueError,
+        "teacher_logprobs: expected shape",
+    ),
+    (
+        dict(teacher_logprobs=logprobs_with(float("nan"))),
+        ValueError,
+        "expected finite values (or -inf for padding), got 1 NaN/+inf",
+    ),
     (dict(teacher_logprobs=logprobs_with(float("inf"))), ValueError, "expected finite values"),
     (dict(teacher_logprobs=logprobs_with(0.5)), ValueError, "expected log-probabilities (<= 0)"),
     (dict(teacher_logprobs=torch.full((6, 3), -0.1)), ValueError, "expected top-K mass <= 1"),
-    (dict(teacher_logprobs=PB["logprobs"].long()), TypeError, "teacher_logprobs: expected a floating dtype"),
-    (dict(teacher_logprobs=PB["logprobs"].float().requires_grad_()), ValueError, "teacher_logprobs.detach()"),
+    (
+        dict(teacher_logprobs=PB["logprobs"].long()),
+        TypeError,
+        "teacher_logprobs: expected a floating dtype",
+    ),
+    (
+        dict(teacher_logprobs=PB["logprobs"].float().requires_grad_()),
+        ValueError,
+        "teacher_logprobs.detach()",
+    ),
     (dict(teacher_ids=torch.tensor([[0, 0, 1]] * 6)), ValueError, "expected K distinct ids"),
     (dict(hidden=PB["x"].double()), TypeError, "weight: expected dtype torch.float64 like hidden"),
     (dict(hidden=PB["x"].long()), TypeError, "hidden: expected a floating dtype"),
@@ -60,9 +90,17 @@ REFUSALS = [
     (dict(weight=PB["w"][:, :3]), ValueError, "weight: expected [V, 4]"),
     (dict(mask=torch.ones(6)), TypeError, "mask: expected a bool tensor"),
     (dict(mask=torch.ones(5, dtype=torch.bool)), ValueError, "mask: expected shape (6,)"),
-    (dict(labels=torch.full((6,), 11), ce_weight=1.0), ValueError, "labels: expected -100 (ignored) or values"),
+    (
+        dict(labels=torch.full((6,), 11), ce_weight=1.0),
+        ValueError,
+        "labels: expected -100 (ignored) or values",
+    ),
     (dict(labels=torch.zeros(6), ce_weight=1.0), TypeError, "labels: expected an integer tensor"),
-    (dict(teacher_logz=torch.zeros(6, 1), temperature=2.0), ValueError, "teacher_logz: expected shape (6,)"),
+    (
+        dict(teacher_logz=torch.zeros(6, 1), temperature=2.0),
+        ValueError,
+        "teacher_logz: expected shape (6,)",
+    ),
     (dict(teacher_logz=torch.full((6,), -5.0), temperature=2.0), ValueError, "tempered top-K mass"),
     (dict(bias=torch.zeros(10)), ValueError, "bias: expected shape (11,)"),
     (dict(hidden="x"), TypeError, "hidden: expected a torch.Tensor, got str"),

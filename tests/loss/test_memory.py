@@ -1,4 +1,5 @@
 """The fused path never allocates an [N, V] tensor: every op output is watched by a TorchDispatchMode."""
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,10 +28,21 @@ def largest(impl, reduction="mean", chunk=16, ce=False, temperature=1.0):
     x, w, b = (pb[k].clone().requires_grad_() for k in ("x", "w", "b"))
     watch = LargestAllocation()
     with watch:
-        loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"].float(), bias=b, mask=pb["mask"],
-                                     impl=impl, reduction=reduction, chunk_size=chunk, temperature=temperature,
-                                     labels=pb["labels"] if ce else None, ce_weight=0.5 if ce else 0.0,
-                                     teacher_logz=pb["logz"][2.0].float() if temperature != 1 else None)
+        loss = topkd.fused_linear_kd(
+            x,
+            w,
+            pb["ids"],
+            pb["logprobs"].float(),
+            bias=b,
+            mask=pb["mask"],
+            impl=impl,
+            reduction=reduction,
+            chunk_size=chunk,
+            temperature=temperature,
+            labels=pb["labels"] if ce else None,
+            ce_weight=0.5 if ce else 0.0,
+            teacher_logz=pb["logz"][2.0].float() if temperature != 1 else None,
+        )
         loss.sum().backward()
     return watch, int(pb["mask"].sum())
 
@@ -63,15 +75,25 @@ class GemmCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("reduction,grad,expected_nvh", [
-    ("mean", True, 6), ("sum", True, 6), ("none", True, 8), ("mean", False, 2), ("none", False, 2)])
+@pytest.mark.parametrize(
+    "reduction,grad,expected_nvh",
+    [
+        ("mean", True, 6),
+        ("sum", True, 6),
+        ("none", True, 8),
+        ("mean", False, 2),
+        ("none", False, 2),
+    ],
+)
 def test_gemm_flops_match_the_cost_model(reduction, grad, expected_nvh):
     """6NVH with gradients formed in the forward; 8NVH for "none" (recompute); 2NVH without grad."""
     pb = make_problem(n=300, vocab=257, hidden=8, k=5, seed=13, dtype=torch.float32)
     x, w = pb["x"].clone().requires_grad_(grad), pb["w"].clone().requires_grad_(grad)
     count = GemmCount()
     with count:
-        loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"].float(), reduction=reduction, chunk_size=64)
+        loss = topkd.fused_linear_kd(
+            x, w, pb["ids"], pb["logprobs"].float(), reduction=reduction, chunk_size=64
+        )
         if grad:
             loss.sum().backward()
     assert count.flops == expected_nvh * 300 * 257 * 8
@@ -105,7 +127,15 @@ def test_chunked_baseline_holds_one_tokens_by_vocab_tensor(reduction):
     x, w = pb["x"].clone().requires_grad_(), pb["w"].clone().requires_grad_()
     watch = LiveLargeStorages(int(pb["mask"].sum()) * 257)
     with watch:
-        loss = topkd.fused_linear_kd(x, w, pb["ids"], pb["logprobs"].float(), mask=pb["mask"], impl="chunked",
-                                     reduction=reduction, chunk_size=16)
+        loss = topkd.fused_linear_kd(
+            x,
+            w,
+            pb["ids"],
+            pb["logprobs"].float(),
+            mask=pb["mask"],
+            impl="chunked",
+            reduction=reduction,
+            chunk_size=16,
+        )
         loss.sum().backward()
     assert watch.peak == 1

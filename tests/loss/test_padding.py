@@ -2,6 +2,7 @@
 range), carrying no mass and no gradient, in every impl, divergence, tail mode and temperature, Triton included.
 Against the float64 oracle run row by row on each row's real entries only; a row with one entry; an all-padding
 row under a mask; all-padding counted rows refused."""
+
 import pytest
 import torch
 
@@ -33,17 +34,40 @@ def padded_problem() -> dict:
     return {**pb, "ids": ids, "logprobs": logprobs, "mask": mask, "real": real}
 
 
-def row_by_row_oracle(x, w, b, *, ids, logprobs, real, mask, labels, teacher_logz=None, ce_weight=0.0,
-                      reduction="sum", **kw):
+def row_by_row_oracle(
+    x,
+    w,
+    b,
+    *,
+    ids,
+    logprobs,
+    real,
+    mask,
+    labels,
+    teacher_logz=None,
+    ce_weight=0.0,
+    reduction="sum",
+    **kw,
+):
     """The float64 oracle on each counted row's real entries alone (its own K), summed."""
     total = x.new_zeros(())
     for i in range(x.shape[0]):
         if not mask[i]:
             continue
         k = int(real[i])
-        logz = None if teacher_logz is None else teacher_logz[i:i + 1]
-        total = total + oracle(x[i:i + 1], w, b, ids[i:i + 1, :k], logprobs[i:i + 1, :k], teacher_logz=logz,
-                               labels=labels[i:i + 1], ce_weight=ce_weight, reduction="sum", **kw)
+        logz = None if teacher_logz is None else teacher_logz[i : i + 1]
+        total = total + oracle(
+            x[i : i + 1],
+            w,
+            b,
+            ids[i : i + 1, :k],
+            logprobs[i : i + 1, :k],
+            teacher_logz=logz,
+            labels=labels[i : i + 1],
+            ce_weight=ce_weight,
+            reduction="sum",
+            **kw,
+        )
     return total
 
 
@@ -51,8 +75,15 @@ def _impls():
     from topkd.loss import triton_chunk
 
     problem = triton_chunk.available()
-    return ["fused", "chunked", "dense", pytest.param("triton", marks=pytest.mark.skipif(
-        problem is not None, reason=f"impl='triton': {problem}"))]
+    return [
+        "fused",
+        "chunked",
+        "dense",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(problem is not None, reason=f"impl='triton': {problem}"),
+        ),
+    ]
 
 
 @pytest.mark.parametrize("impl", _impls())
@@ -60,26 +91,55 @@ def _impls():
 @pytest.mark.parametrize("divergence,tail", CASES)
 def test_padding_carries_no_mass_and_no_gradient(padded, divergence, tail, temperature, impl):
     ce = 0.3 if impl != "triton" or temperature == 1.0 else 0.0  # Triton: no CE at T != 1 (refused)
-    kw = dict(divergence=divergence, tail=tail, temperature=temperature, labels=padded["labels"], ce_weight=ce,
-              teacher_logz=padded["logz"][temperature] if tail == "bucket" else None)
-    pb = padded if impl != "triton" else {**padded, **{k: padded[k].float() for k in ("x", "w", "b")}}
+    kw = dict(
+        divergence=divergence,
+        tail=tail,
+        temperature=temperature,
+        labels=padded["labels"],
+        ce_weight=ce,
+        teacher_logz=padded["logz"][temperature] if tail == "bucket" else None,
+    )
+    pb = (
+        padded
+        if impl != "triton"
+        else {**padded, **{k: padded[k].float() for k in ("x", "w", "b")}}
+    )
 
     def ours(x, w, b, **rest):
-        return topkd_fn(impl)(x, w, b, ids=padded["ids"], logprobs=padded["logprobs"], mask=padded["mask"], **rest)
+        return topkd_fn(impl)(
+            x, w, b, ids=padded["ids"], logprobs=padded["logprobs"], mask=padded["mask"], **rest
+        )
 
     def want(x, w, b, **rest):
-        return row_by_row_oracle(x.double(), w.double(), b.double(), ids=padded["ids"], logprobs=padded["logprobs"],
-                                 real=padded["real"], mask=padded["mask"], **rest)
+        return row_by_row_oracle(
+            x.double(),
+            w.double(),
+            b.double(),
+            ids=padded["ids"],
+            logprobs=padded["logprobs"],
+            real=padded["real"],
+            mask=padded["mask"],
+            **rest,
+        )
 
     got = run(ours, pb, "sum", **kw)
     expected = run(want, pb, "sum", **kw)
     tol = dict(atol=1e-10, rtol=1e-8) if impl != "triton" else dict(atol=2e-4, rtol=2e-4)
-    assert_all_close(got, [t if t is None or g is None else t.to(g.dtype) for g, t in zip(got, expected)], **tol)
+    assert_all_close(
+        got, [t if t is None or g is None else t.to(g.dtype) for g, t in zip(got, expected)], **tol
+    )
 
 
 def test_counted_rows_of_padding_only_are_refused(padded):
     with pytest.raises(ValueError, match="expected at least one real entry .* got 1 token"):
-        topkd.fused_linear_kd(padded["x"], padded["w"], padded["ids"], padded["logprobs"])  # row 2, unmasked
+        # row 2, unmasked
+        topkd.fused_linear_kd(padded["x"], padded["w"], padded["ids"], padded["logprobs"])
     with pytest.raises(ValueError, match="expected values in"):
-        topkd.fused_linear_kd(padded["x"], padded["w"], padded["ids"].masked_fill(~torch.isinf(padded["logprobs"]),
-                              5000), padded["logprobs"], mask=padded["mask"])  # a real entry out of range still is
+        # a real entry out of range still is
+        topkd.fused_linear_kd(
+            padded["x"],
+            padded["w"],
+            padded["ids"].masked_fill(~torch.isinf(padded["logprobs"]), 5000),
+            padded["logprobs"],
+            mask=padded["mask"],
+        )

@@ -1,4 +1,5 @@
 """topkd.loss.loss_parts: the KD and CE terms every impl reduces, summing to the loss; nothing outside a block."""
+
 import pytest
 import torch
 
@@ -23,20 +24,32 @@ def _inputs(n=13, v=37, h=8, k=5):
 def test_parts_sum_to_the_loss(impl, reduction):
     x, w, ids, logprobs, mask, labels = _inputs()
     with loss_parts() as parts:
-        loss = topkd.fused_linear_kd(x, w, ids, logprobs, mask=mask, labels=labels, ce_weight=0.3, impl=impl,
-                                     reduction=reduction)
+        loss = topkd.fused_linear_kd(
+            x,
+            w,
+            ids,
+            logprobs,
+            mask=mask,
+            labels=labels,
+            ce_weight=0.3,
+            impl=impl,
+            reduction=reduction,
+        )
     assert float(parts["kd"] + 0.3 * parts["ce"]) == pytest.approx(float(loss), rel=1e-6)
     kd_only = topkd.fused_linear_kd(x, w, ids, logprobs, mask=mask, impl=impl, reduction=reduction)
     assert float(parts["kd"]) == pytest.approx(float(kd_only), rel=1e-6)
     counted = mask & (labels != -100)  # CE is taken where KD counts a token and a label exists
     ce = torch.nn.functional.cross_entropy(x @ w.T, labels.clamp(min=0), reduction="none")[counted]
-    assert float(parts["ce"]) == pytest.approx(float(ce.sum() if reduction == "sum" else ce.mean()),  # as the loss
-                                               rel=1e-5)
+    assert float(parts["ce"]) == pytest.approx(
+        float(ce.sum() if reduction == "sum" else ce.mean()),  # as the loss
+        rel=1e-5,
+    )
 
 
 def test_nothing_is_recorded_outside_a_block_and_blocks_add_up():
     x, w, ids, logprobs, mask, _ = _inputs()
-    reduce_per_token(torch.ones(3), None, None, None, "none")  # no block open: nothing to do, no error
+    # no block open: nothing to do, no error
+    reduce_per_token(torch.ones(3), None, None, None, "none")
     with loss_parts() as parts:
         a = topkd.fused_linear_kd(x, w, ids, logprobs, mask=mask, reduction="sum")
         b = topkd.fused_linear_kd(x[:5], w, ids[:5], logprobs[:5], reduction="sum")

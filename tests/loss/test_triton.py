@@ -4,6 +4,7 @@ Its reference is impl="fused" (the torch per-chunk math, itself tested against t
 same loss and gradients in fp32 across divergences, tails, temperatures, reductions, CE, K=1, K=V,
 masks and an all-masked batch, on N=37, V=101 with chunks of 8 (odd on purpose); then bf16 inputs.
 """
+
 import pytest
 import torch
 
@@ -12,7 +13,9 @@ from tests.loss.oracle import make_problem
 from tests.loss.test_agreement import assert_all_close, run, topkd_fn
 from topkd.loss import triton_chunk
 
-pytestmark = pytest.mark.skipif(triton_chunk.available() is not None, reason=str(triton_chunk.available()))
+pytestmark = pytest.mark.skipif(
+    triton_chunk.available() is not None, reason=str(triton_chunk.available())
+)
 
 CASES = [  # (divergence, tail, temperature, reduction, ce_weight)
     ("kl", "bucket", 1.0, "mean", 0.0),
@@ -39,16 +42,24 @@ def kwargs(pb, tail, temperature, ce_weight, mask=True):
 def test_triton_matches_the_torch_path(divergence, tail, temperature, reduction, ce_weight):
     pb = make_problem(dtype=torch.float32)
     kw = dict(kwargs(pb, tail, temperature, ce_weight), divergence=divergence)
-    assert_all_close(run(topkd_fn("triton"), pb, reduction, **kw), run(topkd_fn("fused"), pb, reduction, **kw),
-                     atol=2e-6, rtol=2e-5)
+    assert_all_close(
+        run(topkd_fn("triton"), pb, reduction, **kw),
+        run(topkd_fn("fused"), pb, reduction, **kw),
+        atol=2e-6,
+        rtol=2e-5,
+    )
 
 
 @pytest.mark.parametrize("k", [1, 101])
 def test_triton_k_extremes_and_all_masked(k):
     pb = make_problem(k=k, dtype=torch.float32)
     kw = kwargs(pb, "bucket", 1.0, 0.0)
-    assert_all_close(run(topkd_fn("triton"), pb, "mean", **kw), run(topkd_fn("fused"), pb, "mean", **kw),
-                     atol=2e-6, rtol=2e-5)
+    assert_all_close(
+        run(topkd_fn("triton"), pb, "mean", **kw),
+        run(topkd_fn("fused"), pb, "mean", **kw),
+        atol=2e-6,
+        rtol=2e-5,
+    )
     kw["mask"] = torch.zeros_like(pb["mask"])
     loss, dx, dw, db = run(topkd_fn("triton"), pb, "mean", **kw)
     assert float(loss) == 0.0 and not dx.any() and not dw.any() and not db.any()
@@ -66,8 +77,9 @@ def test_triton_refuses_what_its_kernels_do_not_compute(monkeypatch):
     pb = make_problem()
 
     def call(**kw):
-        return topkd.fused_linear_kd(pb["x"].float(), pb["w"].float(), pb["ids"], pb["logprobs"].float(), impl="triton",
-                                     **kw)
+        return topkd.fused_linear_kd(
+            pb["x"].float(), pb["w"].float(), pb["ids"], pb["logprobs"].float(), impl="triton", **kw
+        )
 
     with pytest.raises(ValueError, match="untempered softmax"):
         call(labels=pb["labels"], ce_weight=0.1, temperature=2.0, tail="renorm")

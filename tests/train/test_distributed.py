@@ -5,6 +5,7 @@ step, so their losses, gradient norms and weights must agree to float32 reductio
 A two-process distributed checkpoint is then resumed by one process (DCP reshards) and must
 continue the single-process trajectory.
 """
+
 import json
 import os
 import shutil
@@ -17,8 +18,18 @@ from safetensors.torch import load_file
 
 from topkd.train import TrainConfig, train
 
-ARGS = dict(init_from_teacher=True, layers=2, grad_accum=2, seq_len=20, lr=3e-3, warmup_steps=1, clip=0.5,
-            checkpoint_every=2, ce_weight=0.3, seed=3)
+ARGS = dict(
+    init_from_teacher=True,
+    layers=2,
+    grad_accum=2,
+    seq_len=20,
+    lr=3e-3,
+    warmup_steps=1,
+    clip=0.5,
+    checkpoint_every=2,
+    ce_weight=0.3,
+    seed=3,
+)
 
 
 def rows(out):
@@ -30,9 +41,28 @@ def weights(out):
 
 
 def torchrun(cache, out, steps, batch_size):
-    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "topkd.cli",
-           "train", "--cache", cache, "--out", str(out), f"--steps={steps}", f"--batch-size={batch_size}", *flags]
+    flags = [
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+        for k, v in ARGS.items()
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "topkd.cli",
+        "train",
+        "--cache",
+        cache,
+        "--out",
+        str(out),
+        f"--steps={steps}",
+        f"--batch-size={batch_size}",
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,5 @@
 """Training runs on a tiny teacher: learning, pinned losses, exact resume after a kill, accumulation, refusals."""
+
 import json
 import os
 import signal
@@ -21,7 +22,9 @@ def test_loss_decreases_and_outputs_are_written(built_cache, tmp_path):
     train(config(built_cache, tmp_path, steps=40, seq_len=24, batch_size=4))
     curve = losses(tmp_path)
     assert len(curve) == 40 and sum(curve[-5:]) < 0.8 * sum(curve[:5])
-    assert (tmp_path / "loss.png").stat().st_size > 5000 and (tmp_path / "final" / "config.json").exists()
+    assert (tmp_path / "loss.png").stat().st_size > 5000 and (
+        tmp_path / "final" / "config.json"
+    ).exists()
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "final").config.num_hidden_layers == 1
@@ -32,14 +35,19 @@ def test_seeded_run_pins_its_first_losses(built_cache, tmp_path):
     assert losses(tmp_path) == pytest.approx(PINNED, rel=1e-4)
 
 
-PINNED = [0.4964747, 0.8567317, 0.8202904]  # tiny teacher, seed 0; a change here is a change of behaviour
+# tiny teacher, seed 0; a change here is a change of behaviour
+PINNED = [0.4964747, 0.8567317, 0.8202904]
 
 
 def test_resume_after_a_real_kill_continues_the_same_trajectory(built_cache, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     steps = 60
-    proc = subprocess.Popen(cli_args(built_cache, tmp_path / "killed", steps), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cli_args(built_cache, tmp_path / "killed", steps),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     metrics = tmp_path / "killed" / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
@@ -50,9 +58,16 @@ def test_resume_after_a_real_kill_continues_the_same_trajectory(built_cache, tmp
     proc.wait()
     done = sum(1 for _ in open(metrics))
     assert 7 <= done < steps, "the run finished before the kill"
-    subprocess.run(cli_args(built_cache, tmp_path / "killed", steps), env=env, check=True, capture_output=True)
-    subprocess.run(cli_args(built_cache, tmp_path / "ref", steps), env=env, check=True, capture_output=True)
-    assert losses(tmp_path / "killed") == losses(tmp_path / "ref") and len(losses(tmp_path / "ref")) == steps
+    subprocess.run(
+        cli_args(built_cache, tmp_path / "killed", steps), env=env, check=True, capture_output=True
+    )
+    subprocess.run(
+        cli_args(built_cache, tmp_path / "ref", steps), env=env, check=True, capture_output=True
+    )
+    assert (
+        losses(tmp_path / "killed") == losses(tmp_path / "ref")
+        and len(losses(tmp_path / "ref")) == steps
+    )
 
 
 def test_accumulation_normalises_by_the_tokens_of_the_whole_step(built_cache, tmp_path):
@@ -65,16 +80,27 @@ def test_accumulation_normalises_by_the_tokens_of_the_whole_step(built_cache, tm
         module = KDStudent(student.model, cache.vocab_size, LossOptions(ce_weight=0.5))
         opt = torch.optim.SGD(module.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        train_step(module, SampleStream(cache, 30, seed=0), opt, sched, cfg, {"step": 0, "samples": 0})
-        grads.append(torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None]))
-    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+        train_step(
+            module, SampleStream(cache, 30, seed=0), opt, sched, cfg, {"step": 0, "samples": 0}
+        )
+        grads.append(
+            torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None])
+        )
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(
+        grads[0], grads[2], atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("kw,match", [(dict(init_from_teacher=False), "exactly one of --student"),
-                                      (dict(layers=0), "needs --layers >= 1"), (dict(steps=0), "steps"),
-                                      (dict(lr=0.0), "lr > 0"), (dict(student="x"), "exactly one of")])
-
-
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(init_from_teacher=False), "exactly one of --student"),
+        (dict(layers=0), "needs --layers >= 1"),
+        (dict(steps=0), "steps"),
+        (dict(lr=0.0), "lr > 0"),
+        (dict(student="x"), "exactly one of"),
+    ],
+)
 def test_bad_settings_are_refused(built_cache, tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         train(config(built_cache, tmp_path, **kw))

@@ -1,5 +1,6 @@
 """`topkd train --lora-rank`: only adapters change, the loss decreases, adapters/base/merged model written;
 a frozen lm_head costs the loss no dW GEMM (counted); refusals."""
+
 import json
 import os
 import sys
@@ -35,7 +36,9 @@ def test_lora_flags_are_checked_before_anything_loads(built_cache, tmp_path, mon
         check_config(config(built_cache, tmp_path, report_to="mlflow"))
     with pytest.raises(ValueError, match="--lora-alpha: expected a number >= 0"):
         check_config(config(built_cache, tmp_path, lora_rank=4, lora_alpha=-8))
-    with pytest.raises(ValueError, match=r"--lora-targets: expected modules of the body, got \['lm_head'\]"):
+    with pytest.raises(
+        ValueError, match=r"--lora-targets: expected modules of the body, got \['lm_head'\]"
+    ):
         check_config(config(built_cache, tmp_path, lora_rank=4, lora_targets=["q_proj", "lm_head"]))
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     with pytest.raises(ValueError, match=r"--lora-rank: expected the peft package.*topkd\[hf\]"):
@@ -55,22 +58,32 @@ def test_lora_trains_only_adapters_and_writes_them(built_cache, tmp_path):
     from topkd.train.student import cut_layers
 
     train(config(built_cache, tmp_path, steps=12, seq_len=24, lr=1e-2, lora_rank=4))
-    assert not os.path.exists(tmp_path / "final" / "config.json")  # adapters and base only, until --merge
-    recorded = json.load(open(tmp_path / "final" / "adapter" / "adapter_config.json"))["base_model_name_or_path"]
+    # adapters and base only, until --merge
+    assert not os.path.exists(tmp_path / "final" / "config.json")
+    recorded = json.load(open(tmp_path / "final" / "adapter" / "adapter_config.json"))[
+        "base_model_name_or_path"
+    ]
     assert recorded == str(tmp_path / "final" / "base")  # absolute, and the base it was trained on
-    train(config(built_cache, tmp_path, steps=12, seq_len=24, lr=1e-2, lora_rank=4, merge=True))  # resumes at 12
+    # resumes at 12
+    train(config(built_cache, tmp_path, steps=12, seq_len=24, lr=1e-2, lora_rank=4, merge=True))
     curve = losses(tmp_path)
     assert sum(curve[-3:]) < sum(curve[:3])
     before = cut_layers(TopKCache(built_cache).load_teacher().model, 1).state_dict()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
     changed = {n for n in before if not torch.allclose(before[n], merged[n])}
-    assert changed and all(n.endswith("proj.weight") for n in changed)  # adapters fold into the Linear layers only
+    # adapters fold into the Linear layers only
+    assert changed and all(n.endswith("proj.weight") for n in changed)
     assert torch.equal(before["lm_head.weight"], merged["lm_head.weight"])
     adapter = json.load(open(tmp_path / "final" / "adapter" / "adapter_config.json"))
     assert adapter["r"] == 4 and adapter["lora_alpha"] == 8
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "base")
-    assert all(torch.equal(before[n], t) for n, t in base.state_dict().items())  # the untouched base, as it was
-    with_adapter = PeftModel.from_pretrained(base, tmp_path / "final" / "adapter").merge_and_unload().state_dict()
+    # the untouched base, as it was
+    assert all(torch.equal(before[n], t) for n, t in base.state_dict().items())
+    with_adapter = (
+        PeftModel.from_pretrained(base, tmp_path / "final" / "adapter")
+        .merge_and_unload()
+        .state_dict()
+    )
     assert all(torch.allclose(with_adapter[n], merged[n], atol=1e-6) for n in merged)
     assert os.path.exists(tmp_path / "final" / "adapter" / "tokenizer.json")
 
@@ -81,8 +94,11 @@ def test_an_unmerged_lora_run_is_named_as_such_with_how_to_load_it(tmp_path):
 
     (tmp_path / "final" / "adapter").mkdir(parents=True)
     (tmp_path / "final" / "base").mkdir()
-    with pytest.raises(ValueError, match=r"got LoRA adapters .* for the base model in .*final/base; rerun the same "
-                                         "topkd train command with --merge"):
+    with pytest.raises(
+        ValueError,
+        match=r"got LoRA adapters .* for the base model in .*final/base; rerun the same "
+        "topkd train command with --merge",
+    ):
         run_eval(EvalConfig(model=str(tmp_path / "final"), text=[__file__]))
     with pytest.raises(ValueError, match="expected a model directory with config.json"):
         run_eval(EvalConfig(model=str(tmp_path / "final" / "base"), text=[__file__]))

@@ -1,5 +1,6 @@
 """`topkd train --report-to`: TensorBoard event files hold metrics.jsonl's values (a resume appends without
 duplicates), a wandb run is written offline and continued by id; a missing package is named up front."""
+
 import glob
 import os
 import sys
@@ -13,7 +14,9 @@ from topkd.train.report import require_reporter
 
 def test_a_missing_package_is_named_before_anything_loads(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
-    with pytest.raises(ValueError, match=r"--report-to tensorboard: expected the tensorboard package.*topkd\[hf\]"):
+    with pytest.raises(
+        ValueError, match=r"--report-to tensorboard: expected the tensorboard package.*topkd\[hf\]"
+    ):
         require_reporter("tensorboard")
     require_reporter("none")
 
@@ -23,8 +26,16 @@ def test_tensorboard_events_match_metrics_and_a_resume_appends(built_cache, tmp_
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(config(built_cache, tmp_path, steps=3, seq_len=24, checkpoint_every=1, report_to="tensorboard"))
-    train(config(built_cache, tmp_path, steps=5, seq_len=24, checkpoint_every=1, report_to="tensorboard"))
+    train(
+        config(
+            built_cache, tmp_path, steps=3, seq_len=24, checkpoint_every=1, report_to="tensorboard"
+        )
+    )
+    train(
+        config(
+            built_cache, tmp_path, steps=5, seq_len=24, checkpoint_every=1, report_to="tensorboard"
+        )
+    )
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     loss = events.Scalars("train/loss")
@@ -54,9 +65,17 @@ def test_loss_png_names_the_run_and_its_objective(tmp_path):
     from topkd.train import TrainConfig
     from topkd.train.loop import plot_losses, run_title
 
-    assert run_title(TrainConfig(out="runs/kd-a", ce_weight=0.1)) == "kd-a: KD kl, tail bucket, T=1, ce_weight 0.1"
-    assert run_title(TrainConfig(out="runs/ce/", objective="ce")) == "ce: cross entropy only (no teacher)"
-    rows = [{"step": s, "loss": 2.0 / s, "kd_loss": 1.5 / s, "ce_loss": 5.0 / s} for s in range(1, 20)]
+    assert (
+        run_title(TrainConfig(out="runs/kd-a", ce_weight=0.1))
+        == "kd-a: KD kl, tail bucket, T=1, ce_weight 0.1"
+    )
+    assert (
+        run_title(TrainConfig(out="runs/ce/", objective="ce"))
+        == "ce: cross entropy only (no teacher)"
+    )
+    rows = [
+        {"step": s, "loss": 2.0 / s, "kd_loss": 1.5 / s, "ce_loss": 5.0 / s} for s in range(1, 20)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot_losses(str(tmp_path / "metrics.jsonl"), str(tmp_path / "loss.png"), "kd-a: KD kl")
     assert (tmp_path / "loss.png").stat().st_size > 10000

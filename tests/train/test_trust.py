@@ -1,5 +1,6 @@
 """Training never continues silently on damaged or mismatched state: checksummed checkpoints with fallback,
 run fingerprints, NaN steps, --out that would overwrite inputs, signals that checkpoint before stopping."""
+
 import json
 import os
 import pickle
@@ -57,8 +58,10 @@ def test_a_crafted_checkpoint_pickle_is_never_executed(built_cache, tmp_path, mo
     path = tmp_path / "checkpoints" / "step-000001"
     (path / ".metadata").write_bytes(pickle.dumps(_Boom()))
     sums = json.load(open(path / "checksums.json"))  # the attacker fixes the checksums too
-    sums[".metadata"] = {"bytes": (path / ".metadata").stat().st_size,
-                         "sha256": file_sha256(str(path / ".metadata"))}
+    sums[".metadata"] = {
+        "bytes": (path / ".metadata").stat().st_size,
+        "sha256": file_sha256(str(path / ".metadata")),
+    }
     json.dump(sums, open(path / "checksums.json", "w"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="posix.system|os.system"):
@@ -72,14 +75,17 @@ def test_other_flags_on_an_existing_run_are_refused_but_more_steps_are_not(built
         train(config(built_cache, tmp_path, steps=4, lr=1e-2))
     with pytest.raises(ValueError, match="already at step 2, beyond --steps 1"):
         train(config(built_cache, tmp_path, steps=1))
-    train(config(built_cache, tmp_path, steps=3, loader_workers=0))  # speed flags and more steps: allowed
+    # speed flags and more steps: allowed
+    train(config(built_cache, tmp_path, steps=3, loader_workers=0))
     assert len(losses(tmp_path)) == 3
     assert json.load(open(tmp_path / "config.json"))["steps"] == 3
     recorded = json.load(open(tmp_path / "run.json"))
-    for newer in ("lora_rank", "fold_beyond_vocab", "train_on"):  # as a run recorded before these flags existed
+    # as a run recorded before these flags existed
+    for newer in ("lora_rank", "fold_beyond_vocab", "train_on"):
         recorded.pop(newer)
     (tmp_path / "run.json").write_text(json.dumps(recorded))
-    train(config(built_cache, tmp_path, steps=4))  # a setting missing from an older run counts as its default
+    # a setting missing from an older run counts as its default
+    train(config(built_cache, tmp_path, steps=4))
     with pytest.raises(ValueError, match=r"--fold-beyond-vocab False -> True"):
         train(config(built_cache, tmp_path, steps=5, fold_beyond_vocab=True))
 
@@ -104,7 +110,11 @@ def test_a_resume_with_the_cache_spelled_another_way_continues(built_cache, tmp_
     manifest["build_hash"] = build_hash(manifest["fingerprint"], manifest["build"])
     json.dump(manifest, open(other / "manifest.json", "w"))
     link = str(tmp_path / "link")
-    assert _same_input("cache", str(other)) != _same_input("cache", built_cache) == _same_input("cache", link)
+    assert (
+        _same_input("cache", str(other))
+        != _same_input("cache", built_cache)
+        == _same_input("cache", link)
+    )
 
 
 @pytest.mark.parametrize("where", ["student", "cache"])
@@ -130,17 +140,27 @@ def _nan_at(step: int):
         calls["n"] += 1
         loss = forward(self, batch)
         return loss * float("nan") if calls["n"] == step else loss
+
     return patched
 
 
-def test_a_nan_step_stops_the_run_and_keeps_the_last_good_checkpoint(built_cache, tmp_path, monkeypatch):
+def test_a_nan_step_stops_the_run_and_keeps_the_last_good_checkpoint(
+    built_cache, tmp_path, monkeypatch
+):
     monkeypatch.setattr(KDStudent, "forward", _nan_at(3))
-    with pytest.raises(ValueError, match=r"step 3: loss nan .* newest checkpoint \(step 2\) is intact"):
+    with pytest.raises(
+        ValueError, match=r"step 3: loss nan .* newest checkpoint \(step 2\) is intact"
+    ):
         train(config(built_cache, tmp_path, steps=5, checkpoint_every=1))
-    assert ckpt.latest_step(str(tmp_path)) == 2 and ckpt.damage(str(tmp_path / "checkpoints" / "step-000002")) is None
+    assert (
+        ckpt.latest_step(str(tmp_path)) == 2
+        and ckpt.damage(str(tmp_path / "checkpoints" / "step-000002")) is None
+    )
 
 
-def test_skip_nonfinite_skips_the_step_and_the_weights_stay_finite(built_cache, tmp_path, monkeypatch):
+def test_skip_nonfinite_skips_the_step_and_the_weights_stay_finite(
+    built_cache, tmp_path, monkeypatch
+):
     monkeypatch.setattr(KDStudent, "forward", _nan_at(2))
     train(config(built_cache, tmp_path, steps=4, skip_nonfinite=True))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -154,7 +174,8 @@ def test_skip_nonfinite_skips_the_step_and_the_weights_stay_finite(built_cache, 
 def test_metrics_rows_carry_the_epoch_and_a_multi_epoch_run_warns(built_cache, tmp_path, capfd):
     train(config(built_cache, tmp_path, steps=4, batch_size=16, warmup_steps=5))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["epoch"] for r in rows] == [0, 0, 0, 1]  # 37 samples per epoch; the epoch a step starts in
+    # 37 samples per epoch; the epoch a step starts in
+    assert [r["epoch"] for r in rows] == [0, 0, 0, 1]
     err = capfd.readouterr().err
     assert "epochs over the 37 samples" in err and "below --warmup-steps 5" in err
 
@@ -175,11 +196,17 @@ def reference_losses(built_cache, tmp_path_factory):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_cache, tmp_path, signum,
-                                                                         reference_losses):
+def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(
+    built_cache, tmp_path, signum, reference_losses
+):
     steps, run = 60, tmp_path / "run"
-    proc = subprocess.Popen(cli_args(built_cache, run, steps), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cli_args(built_cache, run, steps),
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for_rows(run / "metrics.jsonl", 5, proc)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
@@ -196,13 +223,19 @@ def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(built_ca
 def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
     """truncate_metrics rewrites the file on resume: killed at random moments, the file is old or new, never cut."""
     path = tmp_path / "metrics.jsonl"
-    rows = "".join(json.dumps({"step": i, "loss": 1.0, "pad": "x" * 5000}) + "\n" for i in range(1, 20_001))
-    script = ("import sys; from topkd.train.checkpoint import truncate_metrics; print('ready', flush=True); "
-              f"truncate_metrics({str(path)!r}, 15000)")
+    rows = "".join(
+        json.dumps({"step": i, "loss": 1.0, "pad": "x" * 5000}) + "\n" for i in range(1, 20_001)
+    )
+    script = (
+        "import sys; from topkd.train.checkpoint import truncate_metrics; print('ready', flush=True); "
+        f"truncate_metrics({str(path)!r}, 15000)"
+    )
     killed = 0
     for delay in (0.15, 0.22, 0.29, 0.36):  # parsing takes ~0.2 s, then the file is rewritten
         path.write_text(rows)
-        proc = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip() == "ready"  # imports done: the rewrite starts now
         time.sleep(delay)
         proc.kill()
@@ -216,10 +249,17 @@ def test_a_second_train_on_a_running_out_is_refused_and_the_first_goes_on(built_
     """A requeued cluster job overlapping the old one: both ran to the end, interleaving metrics.jsonl,
     checkpoints and run.json. --out is now held by an exclusive lock."""
     run = tmp_path / "run"
-    first = subprocess.Popen(cli_args(built_cache, run, 100_000), env=ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        cli_args(built_cache, run, 100_000),
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for_rows(run / "metrics.jsonl", 2, first)
-    second = subprocess.run(cli_args(built_cache, run, 100_000), env=ENV, capture_output=True, text=True)
+    second = subprocess.run(
+        cli_args(built_cache, run, 100_000), env=ENV, capture_output=True, text=True
+    )
     first.send_signal(signal.SIGTERM)
     _, err = first.communicate(timeout=120)
     assert second.returncode == 2, second.stderr[-2000:]

@@ -6,20 +6,34 @@ the teacher rows and kernel switch of a loss point, the cost model's prediction,
 
     from topkd.bench import run_json_lines, results_table, Column, predict_point, H200
 """
+
 from topkd.bench.common import (
-                                Column,
-                                out_of_memory,
-                                plot_vs_length,
-                                results_table,
-                                run_json_lines,
-                                series_by_impl,
-                                skipped_after_oom,
+    Column,
+    out_of_memory,
+    plot_vs_length,
+    results_table,
+    run_json_lines,
+    series_by_impl,
+    skipped_after_oom,
 )
 from topkd.bench.model import H200, fused_kernels, predict_point
 from topkd.bench.point import peer_problem, teacher_rows
 from topkd.files import write_json_atomic
 from topkd.stamp import stamp
 
-__all__ = ["Column", "H200", "fused_kernels", "out_of_memory", "peer_problem", "plot_vs_length", "predict_point",
-           "results_table", "run_json_lines", "series_by_impl", "skipped_after_oom", "stamp", "teacher_rows",
-           "write_json_atomic"]
+__all__ = [
+    "Column",
+    "H200",
+    "fused_kernels",
+    "out_of_memory",
+    "peer_problem",
+    "plot_vs_length",
+    "predict_point",
+    "results_table",
+    "run_json_lines",
+    "series_by_impl",
+    "skipped_after_oom",
+    "stamp",
+    "teacher_rows",
+    "write_json_atomic",
+]

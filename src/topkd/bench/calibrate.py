@@ -10,6 +10,7 @@ mm, or addmm into a warm accumulator) the traces issue. Each impl is traced once
 ops the CPU driver really runs), priced, and compared with the time `topkd bench loss` measures for the
 same point in its own fresh process. PASS when predicted / measured is within 1 +- 0.25.
 """
+
 from __future__ import annotations
 
 import gc
@@ -39,19 +40,28 @@ def measure_profile(gemm_shapes: list[tuple]) -> DeviceProfile:
     z, other = torch.randn(*BLOCK), torch.randn(*BLOCK)
     ids = torch.randint(0, BLOCK[1], (BLOCK[0], 100))
     n = z.numel()
-    element_s = {"transcendental": _per_element(lambda: torch.exp(other, out=z), n, overhead),
-                 "reduction": _per_element(lambda: z.amax(dim=1), n, overhead),
-                 "elementwise": _per_element(lambda: z.mul_(1.0), n, overhead),
-                 "copy": _per_element(lambda: z.copy_(other), n, overhead),
-                 "index": _per_element(lambda: z.scatter_(1, ids, 0.0), ids.numel(), overhead)}
+    element_s = {
+        "transcendental": _per_element(lambda: torch.exp(other, out=z), n, overhead),
+        "reduction": _per_element(lambda: z.amax(dim=1), n, overhead),
+        "elementwise": _per_element(lambda: z.mul_(1.0), n, overhead),
+        "copy": _per_element(lambda: z.copy_(other), n, overhead),
+        "index": _per_element(lambda: z.scatter_(1, ids, 0.0), ids.numel(), overhead),
+    }
     element_s["kernel"] = element_s["elementwise"]
     shapes = {s: _gemm_rate(*s) for s in gemm_shapes}
-    return DeviceProfile(name="cpu (measured)", gemm_flops={"float32": _best_rate(shapes)},
-                         bandwidth=bandwidth, op_overhead_s=overhead, element_s=element_s,
-                         cache_bytes=4 * 2**20, launch_overlaps=False, gemm_shapes=shapes,
-                         fault_s_per_byte=fault,
-                         note="measured here: bandwidth, per-element costs, op overhead, page faults, GEMM "
-                              "rate per traced shape")
+    return DeviceProfile(
+        name="cpu (measured)",
+        gemm_flops={"float32": _best_rate(shapes)},
+        bandwidth=bandwidth,
+        op_overhead_s=overhead,
+        element_s=element_s,
+        cache_bytes=4 * 2**20,
+        launch_overlaps=False,
+        gemm_shapes=shapes,
+        fault_s_per_byte=fault,
+        note="measured here: bandwidth, per-element costs, op overhead, page faults, GEMM "
+        "rate per traced shape",
+    )
 
 
 def _memory_rates() -> tuple[float, float]:
@@ -59,7 +69,8 @@ def _memory_rates() -> tuple[float, float]:
     big, dst = torch.ones(64 * 2**20), torch.empty(64 * 2**20)
     dst.copy_(big)  # touched first: bandwidth, not page faults
     bandwidth = 2 * big.numel() * 4 / timed_median(lambda: dst.copy_(big), 5)
-    fresh = timed_median(lambda: torch.empty(big.numel()).fill_(1), 5)  # 256 MiB: always freshly mapped
+    # 256 MiB: always freshly mapped
+    fresh = timed_median(lambda: torch.empty(big.numel()).fill_(1), 5)
     warm_fill = timed_median(lambda: dst.fill_(1), 5)
     return bandwidth, max(fresh - warm_fill, 0.0) / (big.numel() * 4)
 
@@ -72,8 +83,16 @@ def _best_rate(shapes: dict) -> float:
 def _gemm_rate(name: str, m: int, k: int, n: int, dtype: str) -> float:
     """FLOP/s of this GEMM here; an addmm accumulates into a warm [m, n] buffer, as the dW GEMM does."""
     kind = getattr(torch, dtype)
-    a, b, out = torch.randn(m, k, dtype=kind), torch.randn(k, n, dtype=kind), torch.zeros(m, n, dtype=kind)
-    run = (lambda: out.addmm_(a, b)) if name.startswith("addmm") else (lambda: torch.mm(a, b, out=out))
+    a, b, out = (
+        torch.randn(m, k, dtype=kind),
+        torch.randn(k, n, dtype=kind),
+        torch.zeros(m, n, dtype=kind),
+    )
+    run = (
+        (lambda: out.addmm_(a, b))
+        if name.startswith("addmm")
+        else (lambda: torch.mm(a, b, out=out))
+    )
     return 2 * m * k * n / timed_median(run, 3)
 
 
@@ -89,10 +108,15 @@ def profile_process(gemm_shapes: list[tuple]) -> dict:
     return got
 
 
-def calibrate(lengths: list[int], impls: list[str], vocab: int, hidden: int, k: int, measure_point) -> dict:
+def calibrate(
+    lengths: list[int], impls: list[str], vocab: int, hidden: int, k: int, measure_point
+) -> dict:
     """Predicted vs measured per (impl, length); measure_point(impl, tokens) -> a bench loss row."""
-    traces = {(impl, n): trace_impl(impl, n, vocab, hidden, k, torch.float32, "cpu")[0]
-              for n in lengths for impl in impls}
+    traces = {
+        (impl, n): trace_impl(impl, n, vocab, hidden, k, torch.float32, "cpu")[0]
+        for n in lengths
+        for impl in impls
+    }
     topkd.loss.release_workspace()  # the traced runs' chunk buffer must not sit beside the measured points
     gc.collect()
     shapes = sorted({op.shape for ops in traces.values() for op in ops if op.kind == "gemm"})
@@ -101,8 +125,14 @@ def calibrate(lengths: list[int], impls: list[str], vocab: int, hidden: int, k: 
     for (impl, n), ops in traces.items():
         pred = predict(ops, profile)
         measured = measure_point(impl, n)
-        row = {"impl": impl, "tokens": n, "predicted_s": pred["seconds"], "by_kind": pred["by_kind"],
-               "status": measured["status"], "measured_s": measured.get("time_s")}
+        row = {
+            "impl": impl,
+            "tokens": n,
+            "predicted_s": pred["seconds"],
+            "by_kind": pred["by_kind"],
+            "status": measured["status"],
+            "measured_s": measured.get("time_s"),
+        }
         if row["measured_s"]:
             row["ratio"] = row["predicted_s"] / row["measured_s"]
             row["pass"] = abs(row["ratio"] - 1) <= TOLERANCE
@@ -130,10 +160,14 @@ def calibration_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("measured_s") is None:
-            lines.append(f"{r['impl']:<8} {r['tokens']:>7} {r['predicted_s']:>11.3f} {r['status']:>10}")
+            lines.append(
+                f"{r['impl']:<8} {r['tokens']:>7} {r['predicted_s']:>11.3f} {r['status']:>10}"
+            )
             continue
-        lines.append(f"{r['impl']:<8} {r['tokens']:>7} {r['predicted_s']:>11.3f} {r['measured_s']:>10.3f} "
-                     f"{r['ratio']:>6.2f}  {'PASS' if r['pass'] else 'FAIL'} (within +-{TOLERANCE:.0%})")
+        lines.append(
+            f"{r['impl']:<8} {r['tokens']:>7} {r['predicted_s']:>11.3f} {r['measured_s']:>10.3f} "
+            f"{r['ratio']:>6.2f}  {'PASS' if r['pass'] else 'FAIL'} (within +-{TOLERANCE:.0%})"
+        )
     return "\n".join(lines)
 
 
@@ -146,10 +180,17 @@ def plot_calibration(rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows)):
-        ok = sorted((r for r in rows if r["impl"] == impl and r.get("measured_s")), key=lambda r: r["tokens"])
+        ok = sorted(
+            (r for r in rows if r["impl"] == impl and r.get("measured_s")),
+            key=lambda r: r["tokens"],
+        )
         tokens = [r["tokens"] for r in ok]
-        ax.plot(tokens, [r["measured_s"] for r in ok], "o-", color=f"C{i}", label=f"{impl} measured")
-        ax.plot(tokens, [r["predicted_s"] for r in ok], "x--", color=f"C{i}", label=f"{impl} predicted")
+        ax.plot(
+            tokens, [r["measured_s"] for r in ok], "o-", color=f"C{i}", label=f"{impl} measured"
+        )
+        ax.plot(
+            tokens, [r["predicted_s"] for r in ok], "x--", color=f"C{i}", label=f"{impl} predicted"
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens")

@@ -1,5 +1,6 @@
 """What every benchmark driver shares: a measurement in a fresh process, an allocation failure as a result row,
 the results table, and memory/time-vs-length plots."""
+
 from __future__ import annotations
 
 import json
@@ -41,14 +42,30 @@ def run_json_lines(cmd: list[str], keys: list, timeout_s: float, env: dict, on_r
             proc.kill()
             code = proc.wait()
             err_file.seek(0)
-            status = "timeout" if timed_out else "oom" if code < 0 or code == 137 else "error"
-            rows[pending[0]] = {"status": status, "error": err_file.read().strip().splitlines()[-1:]}
-            rows.update({k: {"status": "skipped", "error": f"after {status} at {pending[0]}"} for k in pending[1:]})
+            status = "timeout" if timed_out else _exit_status(code)
+            rows[pending[0]] = {
+                "status": status,
+                "error": err_file.read().strip().splitlines()[-1:],
+            }
+            rows.update(
+                {
+                    k: {"status": "skipped", "error": f"after {status} at {pending[0]}"}
+                    for k in pending[1:]
+                }
+            )
         proc.wait()
     return rows
 
 
-def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float, on_row=None) -> tuple[dict, bool]:
+def _exit_status(code: int) -> str:
+    """How a measurement process that printed no row ended: killed (the OOM killer's SIGKILL, 137 from a shell) is
+    "oom", any other exit "error"."""
+    return "oom" if code < 0 or code == 137 else "error"
+
+
+def _read_rows(
+    proc: subprocess.Popen, keys: list, timeout_s: float, on_row=None
+) -> tuple[dict, bool]:
     """{key: row} for the JSON lines proc prints in time, in key order; and whether its stdout ended."""
     rows = {}
     with selectors.DefaultSelector() as sel:
@@ -67,8 +84,14 @@ def _read_rows(proc: subprocess.Popen, keys: list, timeout_s: float, on_row=None
     return rows, False
 
 
-def plot_vs_length(series: dict[str, tuple[list, list, list]], oom: dict[str, list[int]], ylabels: tuple[str, str],
-                   title: str, path: str, oom_level: float | None = None) -> None:
+def plot_vs_length(
+    series: dict[str, tuple[list, list, list]],
+    oom: dict[str, list[int]],
+    ylabels: tuple[str, str],
+    title: str,
+    path: str,
+    oom_level: float | None = None,
+) -> None:
     """Two log-log panels, memory and time against tokens, one line per impl.
 
     series: impl -> (tokens, memory GiB, seconds; seconds may be shorter for points without a time).
@@ -119,28 +142,44 @@ class Column:
         return f"{text:<{self.width}}" if first else f"{text:>{self.width}}"
 
 
-def results_table(rows: list[dict], columns: list[Column], keys: int = 2, rule: bool = True,
-                  failures_in_short: bool = True) -> str:
+def results_table(
+    rows: list[dict],
+    columns: list[Column],
+    keys: int = 2,
+    rule: bool = True,
+    failures_in_short: bool = True,
+) -> str:
     """Every benchmark's table: a header (and a rule), then one line per row. failures_in_short: a row whose status
     is not "ok" shows its first `keys` columns and its status in capitals, nothing after."""
-    head = " ".join([f"{c.title:<{c.width}}" if i == 0 else f"{c.title:>{c.width}}" for i, c in enumerate(columns)])
+    head = " ".join(
+        [
+            f"{c.title:<{c.width}}" if i == 0 else f"{c.title:>{c.width}}"
+            for i, c in enumerate(columns)
+        ]
+    )
     lines = [head, "-" * len(head)] if rule else [head]
     for r in rows:
         if failures_in_short and r.get("status", "ok") != "ok":
             status = f"{r.get('status', '?').upper():>{columns[keys].width}}"
-            lines.append(" ".join([c.cell(r, i == 0) for i, c in enumerate(columns[:keys])] + [status]))
+            lines.append(
+                " ".join([c.cell(r, i == 0) for i, c in enumerate(columns[:keys])] + [status])
+            )
         else:
             lines.append(" ".join([c.cell(r, i == 0) for i, c in enumerate(columns)]))
     return "\n".join(lines)
 
 
-def series_by_impl(rows: list[dict], impls, memory_gib: Callable[[dict], float], time_key: str
-                   ) -> tuple[dict[str, tuple[list, list, list]], dict[str, list[int]]]:
+def series_by_impl(
+    rows: list[dict], impls, memory_gib: Callable[[dict], float], time_key: str
+) -> tuple[dict[str, tuple[list, list, list]], dict[str, list[int]]]:
     """plot_vs_length's inputs from result rows: per impl its ok points by length (memory in GiB, and the seconds
     of those that have time_key), and the lengths where it did not run (OOM, timeout, error)."""
     series, failed = {}, {}
     for impl in impls:
-        ok = sorted((r for r in rows if r["impl"] == impl and r.get("status") == "ok"), key=lambda r: r["tokens"])
+        ok = sorted(
+            (r for r in rows if r["impl"] == impl and r.get("status") == "ok"),
+            key=lambda r: r["tokens"],
+        )
         timed = [r[time_key] for r in ok if time_key in r]
         series[impl] = ([r["tokens"] for r in ok], [memory_gib(r) for r in ok], timed)
         failed[impl] = [r["tokens"] for r in rows if r["impl"] == impl and r.get("status") != "ok"]
@@ -159,6 +198,11 @@ def out_of_memory(e: BaseException) -> dict | None:
     address-space cap); None for anything else, which the caller re-raises."""
     message = str(e)
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-            isinstance(e, RuntimeError) and ("can't allocate memory" in message or "out of memory" in message.lower())):
-        return {"status": "oom", "error": message.splitlines()[0][:200] if message else type(e).__name__}
+        isinstance(e, RuntimeError)
+        and ("can't allocate memory" in message or "out of memory" in message.lower())
+    ):
+        return {
+            "status": "oom",
+            "error": message.splitlines()[0][:200] if message else type(e).__name__,
+        }
     return None

@@ -9,6 +9,7 @@ three-GEMM floor (same process), GFLOP/s at 6NVH, and each impl's ratios to fuse
 Out of memory is recorded as a result. Outputs: a table, loss.csv (one stamped row per
 point), loss.json, loss.png (memory and time vs length, log scales), and a JSON last line.
 """
+
 from __future__ import annotations
 
 import csv
@@ -33,7 +34,9 @@ from topkd.stamp import stamp
 
 @dataclass
 class LossBenchConfig:
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    lengths: list[int] = field(
+        default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+    )
     impls: list[str] = field(default_factory=lambda: list(KD_IMPLS + PEERS))
     vocab: int = 32768
     hidden: int = 512
@@ -82,9 +85,31 @@ def run_point(cfg: LossBenchConfig, impl: str, tokens: int) -> dict:
 
 
 def _run_phase(cfg: LossBenchConfig, impl: str, tokens: int, phase: str, huge_pages: bool) -> dict:
-    cmd = [sys.executable, "-m", "topkd.bench.point", "--impl", impl, "--tokens", str(tokens), "--vocab",
-           str(cfg.vocab), "--hidden", str(cfg.hidden), "--k", str(cfg.k), "--dtype", cfg.dtype, "--device",
-           cfg.device, "--repeats", str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib), "--phase", phase]
+    cmd = [
+        sys.executable,
+        "-m",
+        "topkd.bench.point",
+        "--impl",
+        impl,
+        "--tokens",
+        str(tokens),
+        "--vocab",
+        str(cfg.vocab),
+        "--hidden",
+        str(cfg.hidden),
+        "--k",
+        str(cfg.k),
+        "--dtype",
+        cfg.dtype,
+        "--device",
+        cfg.device,
+        "--repeats",
+        str(cfg.repeats),
+        "--mem-limit-gib",
+        str(cfg.mem_limit_gib),
+        "--phase",
+        phase,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     if huge_pages:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
@@ -96,7 +121,9 @@ def add_ratios(rows: list[dict], chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES) 
     ok = [r for r in rows if r["status"] == "ok"]
     for r in ok:
         r["mem_over_floor"] = r["peak_bytes"] / r["floor_bytes"]
-        r["chunk_budget_bytes"] = chunk_budget_bytes  # the fused driver's working set beside the floor
+        r["chunk_budget_bytes"] = (
+            chunk_budget_bytes  # the fused driver's working set beside the floor
+        )
         r["time_over_floor"] = r["time_s"] / r["floor_time_s"]
         r["gflops"] = r["flops"] / r["time_s"] / 1e9
     fused = {r["tokens"]: r for r in ok if r["impl"] == "fused"}
@@ -107,16 +134,21 @@ def add_ratios(rows: list[dict], chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES) 
             # time to the GEMM floor measured beside it, then those ratios (the raw seconds ratio is kept too)
             r["time_vs_fused"] = r["time_over_floor"] / f["time_over_floor"]
             r["raw_time_vs_fused"] = r["time_s"] / f["time_s"]
-            if f["peak_bytes"] > 0:  # a toy point can peak within pages already resident: no ratio then
+            # a toy point can peak within pages already resident: no ratio then
+            if f["peak_bytes"] > 0:
                 r["mem_vs_fused"] = r["peak_bytes"] / f["peak_bytes"]
 
 
 NAN = float("nan")
 LOSS_COLUMNS = [
-    Column("impl", 10, lambda r: r["impl"]), Column("tokens", 7, lambda r: r["tokens"]),
-    Column("peak GiB", 9, lambda r: r["peak_bytes"] / 2**30, ".3f"), Column("/floor", 7, lambda r: r["mem_over_floor"], ".2f"),
-    Column("time s", 8, lambda r: r["time_s"], ".2f"), Column("/gemm", 6, lambda r: r["time_over_floor"], ".2f"),
-    Column("GFLOP/s", 8, lambda r: r["gflops"], ".1f"), Column("mem/fused", 9, lambda r: r.get("mem_vs_fused", NAN), ".2f"),
+    Column("impl", 10, lambda r: r["impl"]),
+    Column("tokens", 7, lambda r: r["tokens"]),
+    Column("peak GiB", 9, lambda r: r["peak_bytes"] / 2**30, ".3f"),
+    Column("/floor", 7, lambda r: r["mem_over_floor"], ".2f"),
+    Column("time s", 8, lambda r: r["time_s"], ".2f"),
+    Column("/gemm", 6, lambda r: r["time_over_floor"], ".2f"),
+    Column("GFLOP/s", 8, lambda r: r["gflops"], ".1f"),
+    Column("mem/fused", 9, lambda r: r.get("mem_vs_fused", NAN), ".2f"),
     Column("time/fused", 10, lambda r: r.get("time_vs_fused", NAN), ".2f"),
 ]
 
@@ -132,7 +164,9 @@ def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         for r in rows:
-            writer.writerow({**meta, **{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()}})
+            writer.writerow(
+                {**meta, **{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()}}
+            )
     summary = {"bench": "loss", "config": asdict(cfg), "stamp": meta, "points": rows}
     with open(os.path.join(cfg.out, "loss.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -142,9 +176,14 @@ def write_outputs(rows: list[dict], cfg: LossBenchConfig, meta: dict) -> dict:
 
 def plot(rows: list[dict], cfg: LossBenchConfig, meta: dict, path: str) -> None:
     series, failed = series_by_impl(rows, cfg.impls, lambda r: r["peak_bytes"] / 2**30, "time_s")
-    plot_vs_length(series, failed, ("peak memory (GiB)", "forward+backward (s)"),
-                   f"KD loss, V={cfg.vocab} H={cfg.hidden} K={cfg.k} {cfg.dtype} on {meta['machine']} "
-                   f"({meta['commit']}); dotted: OOM", path)
+    plot_vs_length(
+        series,
+        failed,
+        ("peak memory (GiB)", "forward+backward (s)"),
+        f"KD loss, V={cfg.vocab} H={cfg.hidden} K={cfg.k} {cfg.dtype} on {meta['machine']} "
+        f"({meta['commit']}); dotted: OOM",
+        path,
+    )
 
 
 def report(cfg: LossBenchConfig) -> dict:
@@ -154,7 +193,8 @@ def report(cfg: LossBenchConfig) -> dict:
     rows = summary["points"]
     add_ratios(rows)
     stored = LossBenchConfig(**{**summary["config"], "out": cfg.out, "report_only": False})
-    summary = write_outputs(rows, stored, summary["stamp"])  # derived ratios, CSV and plot follow this code
+    # derived ratios, CSV and plot follow this code
+    summary = write_outputs(rows, stored, summary["stamp"])
     print(table(rows))
     return summary
 
@@ -162,7 +202,10 @@ def report(cfg: LossBenchConfig) -> dict:
 def run_loss_bench(cfg: LossBenchConfig) -> dict:
     if cfg.report_only:
         return report(cfg)
-    meta = {**stamp(cfg.device), "huge_pages": "time only" if not cfg.no_huge_pages and cfg.device == "cpu" else "off"}
+    meta = {
+        **stamp(cfg.device),
+        "huge_pages": "time only" if not cfg.no_huge_pages and cfg.device == "cpu" else "off",
+    }
     points = [(impl, n) for n in cfg.lengths for impl in cfg.impls]
     rows = []
     for impl, n in track(points, desc="bench loss", unit="point"):

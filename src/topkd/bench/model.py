@@ -15,6 +15,7 @@ by microbenchmarks in the same run, and `--calibrate` shows how far the model is
 on this machine for every impl. Reported per point: predicted time, TFLOP/s at 6NVH, ratio to the
 three-GEMM floor (6NVH at the GEMM rate), and the peak memory of the trace at full N.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,11 +39,16 @@ class DeviceProfile:
     gemm_flops: dict[str, float]  # input dtype -> FLOP/s
     bandwidth: float  # DRAM bytes/s
     op_overhead_s: float  # fixed cost per op
-    element_s: dict[str, float] = field(default_factory=dict)  # op kind -> seconds per element (CPU engines)
+    # op kind -> seconds per element (CPU engines)
+    element_s: dict[str, float] = field(default_factory=dict)
     cache_bytes: int = 0  # footprints below this never reach DRAM
-    launch_overlaps: bool = True  # GPU: launches run ahead, so an op costs max(launch, work); CPU: launch + work
+    launch_overlaps: bool = (
+        True  # GPU: launches run ahead, so an op costs max(launch, work); CPU: launch + work
+    )
     gemm_shapes: dict = field(default_factory=dict)  # (m, k, n, dtype) -> measured FLOP/s (CPU)
-    fault_s_per_byte: float = 0.0  # first touch of freshly mapped memory (CPU; a GPU's caching allocator: 0)
+    fault_s_per_byte: float = (
+        0.0  # first touch of freshly mapped memory (CPU; a GPU's caching allocator: 0)
+    )
     memory_bytes: float = float("inf")
     note: str = ""
 
@@ -51,10 +57,15 @@ class DeviceProfile:
 
 
 H200 = DeviceProfile(
-    name="h200", gemm_flops={"bfloat16": 790e12, "float16": 790e12, "float32": 395e12, "float64": 60e12},
-    bandwidth=4.3e12, op_overhead_s=4e-6, cache_bytes=50 * 2**20, memory_bytes=139 * 2**30,
+    name="h200",
+    gemm_flops={"bfloat16": 790e12, "float16": 790e12, "float32": 395e12, "float64": 60e12},
+    bandwidth=4.3e12,
+    op_overhead_s=4e-6,
+    cache_bytes=50 * 2**20,
+    memory_bytes=139 * 2**30,
     note="assumed: bf16 dense GEMM 790 TFLOP/s and 4.3 TB/s as measured on such machines; fp32 GEMMs at TF32 "
-         "(half the bf16 rate); 4 us per kernel launch, hidden under longer kernels")
+    "(half the bf16 rate); 4 us per kernel launch, hidden under longer kernels",
+)
 
 
 def op_seconds(op: Op, profile: DeviceProfile) -> float:
@@ -90,10 +101,17 @@ def make_inputs(n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, dev
     x = torch.empty(n, hidden, dtype=dtype, device="meta", requires_grad=True)
     w = torch.empty(vocab, hidden, dtype=dtype, device="meta", requires_grad=True)
     ids = torch.empty(n, k, dtype=torch.int32, device="meta")
-    return {"x": x, "w": w, "ids": ids, "logprobs": torch.empty(n, k, dtype=torch.float32, device="meta")}
+    return {
+        "x": x,
+        "w": w,
+        "ids": ids,
+        "logprobs": torch.empty(n, k, dtype=torch.float32, device="meta"),
+    }
 
 
-def trace_impl(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, device: str = "meta"):
+def trace_impl(
+    impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, device: str = "meta"
+):
     """(ops, peak bytes including the inputs) of one forward+backward of impl at these shapes.
     "fused:torch" is impl="fused" with its torch kernels (the reference) where it would pick Triton."""
     with fused_kernels(impl) as impl:
@@ -105,9 +123,12 @@ def _trace(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtyp
     input_bytes = sum(t.numel() * t.element_size() for t in inputs.values())
 
     def call() -> None:
-        topkd.fused_linear_kd(inputs["x"], inputs["w"], inputs["ids"], inputs["logprobs"], impl=impl).backward()
+        topkd.fused_linear_kd(
+            inputs["x"], inputs["w"], inputs["ids"], inputs["logprobs"], impl=impl
+        ).backward()
 
-    if device != "meta":  # steady state, as bench loss times it: the CPU chunk workspace already exists
+    # steady state, as bench loss times it: the CPU chunk workspace already exists
+    if device != "meta":
         call()
         inputs["x"].grad = inputs["w"].grad = None
     with OpTrace() as trace:
@@ -115,17 +136,34 @@ def _trace(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtyp
     return trace.ops, trace.peak_bytes + input_bytes
 
 
-def predict_point(impl: str, n: int, vocab: int, hidden: int, k: int, dtype: torch.dtype, profile: DeviceProfile,
-                  ops: list[Op] | None = None, peak: int | None = None) -> dict:
+def predict_point(
+    impl: str,
+    n: int,
+    vocab: int,
+    hidden: int,
+    k: int,
+    dtype: torch.dtype,
+    profile: DeviceProfile,
+    ops: list[Op] | None = None,
+    peak: int | None = None,
+) -> dict:
     """One predicted point: time, TFLOP/s at 6NVH, ratio to the three-GEMM floor, peak memory."""
     if ops is None:
         ops, peak = trace_impl(impl, n, vocab, hidden, k, dtype)
     flops = 6 * n * vocab * hidden
     pred = predict(ops, profile)
     floor = flops / profile.gemm_flops[str(dtype).replace("torch.", "")]
-    return {"impl": impl, "tokens": n, "predicted_s": pred["seconds"], "tflops": flops / pred["seconds"] / 1e12,
-            "over_floor": pred["seconds"] / floor, "peak_bytes": peak, "fits": peak <= profile.memory_bytes,
-            "by_kind": pred["by_kind"], "ops": pred["ops"]}
+    return {
+        "impl": impl,
+        "tokens": n,
+        "predicted_s": pred["seconds"],
+        "tflops": flops / pred["seconds"] / 1e12,
+        "over_floor": pred["seconds"] / floor,
+        "peak_bytes": peak,
+        "fits": peak <= profile.memory_bytes,
+        "by_kind": pred["by_kind"],
+        "ops": pred["ops"],
+    }
 
 
 @contextlib.contextmanager
@@ -139,7 +177,9 @@ def fused_kernels(impl: str):
     try:
         yield name
     finally:
-        os.environ.pop(KERNELS_ENV, None) if old is None else os.environ.__setitem__(KERNELS_ENV, old)
+        os.environ.pop(KERNELS_ENV, None) if old is None else os.environ.__setitem__(
+            KERNELS_ENV, old
+        )
 
 
 def timed_median(fn, repeats: int = 3) -> float:

@@ -13,6 +13,7 @@ floor is logits, dX and dW over the same chunk rows, into reused buffers.
 An allocation failure is a result ("oom"), not a crash: on CPU the address space is capped
 with RLIMIT_AS so the allocator fails cleanly instead of waking the OOM killer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,8 @@ from topkd.loss.fused import chunk_rows
 from topkd.memory import reserved_peak_bytes, status_kib
 
 KD_IMPLS = ("fused", "chunked", "dense")
-GPU_IMPLS = ("triton", "fused:torch")  # Triton kernels (CUDA), and fused forced to its torch kernels where it
+# Triton kernels (CUDA), and fused forced to its torch kernels where it
+GPU_IMPLS = ("triton", "fused:torch")
 # would pick Triton: never in a CPU sweep's defaults
 PEERS = ("liger_jsd", "torch_lce")
 
@@ -120,12 +122,17 @@ def floor_bytes(inputs: dict) -> int:
 def step_fn(impl: str, inputs: dict):
     """A closure running one forward+backward."""
     x, w = inputs["x"], inputs["w"]
-    if impl.split(":")[0] in KD_IMPLS + GPU_IMPLS:  # "fused:torch": main() set TOPKD_FUSED_KERNELS=torch
-        return lambda: topkd.fused_linear_kd(x, w, inputs["ids"], inputs["logprobs"],
-                                             impl=impl.split(":")[0]).backward()
+    # "fused:torch": main() set TOPKD_FUSED_KERNELS=torch
+    if impl.split(":")[0] in KD_IMPLS + GPU_IMPLS:
+        return lambda: topkd.fused_linear_kd(
+            x, w, inputs["ids"], inputs["logprobs"], impl=impl.split(":")[0]
+        ).backward()
     if impl == "liger_jsd":
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-        peer = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False)
+
+        peer = LigerFusedLinearJSDLoss(
+            weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False
+        )
         return lambda: peer(x, w, inputs["xt"], inputs["wt"], inputs["labels"]).backward()
     if impl == "torch_lce":
         problem = peer_problem(impl)
@@ -148,6 +155,7 @@ def three_gemm_step(x: torch.Tensor, w: torch.Tensor, chunk: int):
             torch.mm(x[start:end], w.t(), out=z)
             torch.mm(z, w, out=dx[start:end])
             dw.addmm_(z.t(), x[start:end])
+
     return step
 
 
@@ -162,8 +170,17 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str, device_name: str,
-            repeats: int, phase: str = "both") -> dict:
+def measure(
+    impl: str,
+    n: int,
+    vocab: int,
+    hidden: int,
+    k: int,
+    dtype_name: str,
+    device_name: str,
+    repeats: int,
+    phase: str = "both",
+) -> dict:
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     # A tiny run of the same code first: thread pools, lazy inits and library code pages
     # touched on first use must not count as the loss's memory.
@@ -175,8 +192,16 @@ def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str,
     memory = PeakMemory(device)
     inputs = make_inputs(impl, n, vocab, hidden, k, dtype, device)
     step = step_fn(impl, inputs)
-    row = {"impl": impl, "tokens": n, "vocab": vocab, "hidden": hidden, "k": k, "dtype": dtype_name,
-           "floor_bytes": floor_bytes(inputs), "flops": 6 * n * vocab * hidden}
+    row = {
+        "impl": impl,
+        "tokens": n,
+        "vocab": vocab,
+        "hidden": hidden,
+        "k": k,
+        "dtype": dtype_name,
+        "floor_bytes": floor_bytes(inputs),
+        "flops": 6 * n * vocab * hidden,
+    }
     memory.reset()
     step()  # measured (phase memory/both) or only a warm-up (phase time)
     if phase != "time":
@@ -186,8 +211,12 @@ def measure(impl: str, n: int, vocab: int, hidden: int, k: int, dtype_name: str,
         return row
     chunk = chunk_rows(vocab, dtype, LossSpec(), False, device.type)
     floor = three_gemm_step(inputs["x"], inputs["w"], chunk)
-    pairs = [(timed(floor, device), timed(lambda: _fresh_grads(step, inputs), device)) for _ in range(repeats)]
-    row["floor_time_s"] = statistics.median(p[0] for p in pairs)  # interleaved: both see the same drift
+    pairs = [
+        (timed(floor, device), timed(lambda: _fresh_grads(step, inputs), device))
+        for _ in range(repeats)
+    ]
+    # interleaved: both see the same drift
+    row["floor_time_s"] = statistics.median(p[0] for p in pairs)
     row["time_s"] = statistics.median(p[1] for p in pairs)
     row["chunk_rows"] = chunk
     return row
@@ -202,16 +231,24 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--impl", required=True, choices=KD_IMPLS + GPU_IMPLS + PEERS)
     p.add_argument("--tokens", type=int, help="one point")
-    p.add_argument("--lengths", default="", help="comma-separated: several points in this process, one JSON "
-                   "line each, shortest first (GPU sweeps); after an OOM the longer ones are not run")
+    p.add_argument(
+        "--lengths",
+        default="",
+        help="comma-separated: several points in this process, one JSON "
+        "line each, shortest first (GPU sweeps); after an OOM the longer ones are not run",
+    )
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--k", type=int, default=100)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--mem-limit-gib", type=float, default=0.0, help="CPU address-space cap (0: none)")
-    p.add_argument("--phase", default="both", choices=["both", "memory", "time"], help="what to measure")
+    p.add_argument(
+        "--mem-limit-gib", type=float, default=0.0, help="CPU address-space cap (0: none)"
+    )
+    p.add_argument(
+        "--phase", default="both", choices=["both", "memory", "time"], help="what to measure"
+    )
     a = p.parse_args(argv)
     if a.mem_limit_gib > 0 and a.device == "cpu":
         cap = int(a.mem_limit_gib * 2**30)

@@ -9,6 +9,7 @@ one process per length; and a step whose batch is decoded from a real rice-zstd 
 the same step on a batch held in memory. Outputs: a table, train.json, train.csv,
 train.png (memory and time vs length), and a JSON last line.
 """
+
 from __future__ import annotations
 
 import csv
@@ -61,28 +62,55 @@ TRAIN_BENCH_HELP = {
 
 
 def _point(cfg: TrainBenchConfig, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "topkd.bench.train_point", "--shape", cfg.shape, "--layers", str(cfg.layers),
-           "--repeats",
-           str(cfg.repeats), "--mem-limit-gib", str(cfg.mem_limit_gib), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "topkd.bench.train_point",
+        "--shape",
+        cfg.shape,
+        "--layers",
+        str(cfg.layers),
+        "--repeats",
+        str(cfg.repeats),
+        "--mem-limit-gib",
+        str(cfg.mem_limit_gib),
+        *args,
+    ]
     return run_json_process(cmd, cfg.timeout_s, {**os.environ, "THP_MEM_ALLOC_ENABLE": "0"})
 
 
 def measure(cfg: TrainBenchConfig) -> dict:
     memory, times = [], []
-    bar = progress(total=len(cfg.lengths) * (len(cfg.impls) + 1) + 1, desc="bench train", unit="run")
+    bar = progress(
+        total=len(cfg.lengths) * (len(cfg.impls) + 1) + 1, desc="bench train", unit="run"
+    )
     for n in cfg.lengths:
         for impl in cfg.impls:
-            row = skipped_after_oom(memory, impl, n) or _point(cfg, "--phase", "memory", "--impls", impl, "--tokens",
-                                                               str(n))
+            row = skipped_after_oom(memory, impl, n) or _point(
+                cfg, "--phase", "memory", "--impls", impl, "--tokens", str(n)
+            )
             memory.append({**row, "impl": impl, "tokens": n})
             bar.update(1)
         fits = [r["impl"] for r in memory if r["tokens"] == n and r["status"] == "ok"]
         if fits:
-            times.append({**_point(cfg, "--phase", "time", "--impls", ",".join(fits), "--tokens", str(n)),
-                          "tokens": n})
+            times.append(
+                {
+                    **_point(cfg, "--phase", "time", "--impls", ",".join(fits), "--tokens", str(n)),
+                    "tokens": n,
+                }
+            )
         bar.update(1)
-    loading = _point(cfg, "--phase", "loading", "--tokens", str(cfg.loading_tokens), "--batch",
-                     str(cfg.loading_batch), "--repeats", str(cfg.loading_repeats))
+    loading = _point(
+        cfg,
+        "--phase",
+        "loading",
+        "--tokens",
+        str(cfg.loading_tokens),
+        "--batch",
+        str(cfg.loading_batch),
+        "--repeats",
+        str(cfg.loading_repeats),
+    )
     bar.update(1)
     bar.close()
     return {"memory": memory, "time": times, "loading": loading}
@@ -94,8 +122,14 @@ def rows_by_point(result: dict) -> list[dict]:
     for m in result["memory"]:
         row = {"impl": m["impl"], "tokens": m["tokens"], "status": m["status"]}
         if m["status"] == "ok":
-            row.update(process_peak_gib=m["process_peak_bytes"] / 2**30, step_peak_gib=m["step_peak_bytes"] / 2**30)
-            timed = next((t for t in result["time"] if t["tokens"] == m["tokens"] and t["status"] == "ok"), None)
+            row.update(
+                process_peak_gib=m["process_peak_bytes"] / 2**30,
+                step_peak_gib=m["step_peak_bytes"] / 2**30,
+            )
+            timed = next(
+                (t for t in result["time"] if t["tokens"] == m["tokens"] and t["status"] == "ok"),
+                None,
+            )
             if timed and m["impl"] in timed["median_s"]:
                 row["step_s"] = timed["median_s"][m["impl"]]
                 row["tokens_per_s"] = m["tokens"] / row["step_s"]
@@ -111,9 +145,12 @@ def rows_by_point(result: dict) -> list[dict]:
 
 NAN = float("nan")
 TRAIN_COLUMNS = [
-    Column("impl", 8, lambda r: r["impl"]), Column("tokens", 7, lambda r: r["tokens"]),
-    Column("peak GiB", 9, lambda r: r["process_peak_gib"], ".2f"), Column("step GiB", 9, lambda r: r["step_peak_gib"], ".2f"),
-    Column("step s", 8, lambda r: r.get("step_s", NAN), ".1f"), Column("tok/s", 7, lambda r: r.get("tokens_per_s", NAN), ".0f"),
+    Column("impl", 8, lambda r: r["impl"]),
+    Column("tokens", 7, lambda r: r["tokens"]),
+    Column("peak GiB", 9, lambda r: r["process_peak_gib"], ".2f"),
+    Column("step GiB", 9, lambda r: r["step_peak_gib"], ".2f"),
+    Column("step s", 8, lambda r: r.get("step_s", NAN), ".1f"),
+    Column("tok/s", 7, lambda r: r.get("tokens_per_s", NAN), ".0f"),
     Column("mem/fused", 9, lambda r: r.get("mem_vs_fused", NAN), ".2f"),
     Column("time/fused", 10, lambda r: r.get("time_vs_fused", NAN), ".3f"),
 ]
@@ -126,7 +163,11 @@ def table(rows: list[dict]) -> str:
 def write_outputs(cfg: TrainBenchConfig, result: dict, rows: list[dict], meta: dict) -> None:
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "train.json"), "w") as f:
-        json.dump({"bench": "train", "config": asdict(cfg), "stamp": meta, "points": rows, "raw": result}, f, indent=1)
+        json.dump(
+            {"bench": "train", "config": asdict(cfg), "stamp": meta, "points": rows, "raw": result},
+            f,
+            indent=1,
+        )
     keys = sorted({k for r in rows for k in r} | set(meta))
     with open(os.path.join(cfg.out, "train.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
@@ -138,10 +179,15 @@ def write_outputs(cfg: TrainBenchConfig, result: dict, rows: list[dict], meta: d
 
 def plot(cfg: TrainBenchConfig, rows: list[dict], meta: dict, path: str) -> None:
     series, failed = series_by_impl(rows, cfg.impls, lambda r: r["process_peak_gib"], "step_s")
-    plot_vs_length(series, failed, ("peak process memory (GiB); x: OOM", "training step (s)"),
-                   f"training step, {cfg.shape}-shaped student ({cfg.layers} layers, "
-                   f"V={SHAPES[cfg.shape][2]['vocab_size']:,}), {meta['machine']} ({meta['commit']})", path,
-                   oom_level=cfg.mem_limit_gib)
+    plot_vs_length(
+        series,
+        failed,
+        ("peak process memory (GiB); x: OOM", "training step (s)"),
+        f"training step, {cfg.shape}-shaped student ({cfg.layers} layers, "
+        f"V={SHAPES[cfg.shape][2]['vocab_size']:,}), {meta['machine']} ({meta['commit']})",
+        path,
+        oom_level=cfg.mem_limit_gib,
+    )
 
 
 def run_train_bench(cfg: TrainBenchConfig) -> dict:
@@ -153,7 +199,13 @@ def run_train_bench(cfg: TrainBenchConfig) -> dict:
     if loading.get("status") == "ok":
         print(f"cache-loading step / in-memory step: {loading['cached_over_in_memory']:.3f}")
     write_outputs(cfg, result, rows, meta)
-    summary = {"bench": "train", "out": cfg.out, "commit": meta["commit"], "points": rows, "loading": loading}
+    summary = {
+        "bench": "train",
+        "out": cfg.out,
+        "commit": meta["commit"],
+        "points": rows,
+        "loading": loading,
+    }
     print(json.dumps(summary))
     wrote("bench train", f"its tables, JSON and plots in {cfg.out}")
     return summary

@@ -20,6 +20,7 @@ optimizer state), then:
            step on a batch held in memory), alternating which runs first
 An allocation failure is a result ("oom"): the address space is capped with RLIMIT_AS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,19 +45,49 @@ from topkd.train.config import TrainConfig
 from topkd.train.loop import train_step
 from topkd.train.student import KDStudent
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-               num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
-GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_attention_heads=4,
-                   num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
-                   tie_word_embeddings=True, final_logit_softcapping=None, rms_norm_eps=1e-6)
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
-                num_key_value_heads=8, num_hidden_layers=16, tie_word_embeddings=True, rope_theta=500000.0,
-                rms_norm_eps=1e-5)  # Llama-3.2-1B
-LLAMA_3B = dict(LLAMA_1B, hidden_size=3072, num_attention_heads=24, num_hidden_layers=28)  # Llama-3.2-3B
-SHAPES = {"smollm2": ("LlamaConfig", "LlamaForCausalLM", SMOLLM2),
-          "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_270M),
-          "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B),
-          "llama-3b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_3B)}
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+)
+GEMMA3_270M = dict(
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    tie_word_embeddings=True,
+    final_logit_softcapping=None,
+    rms_norm_eps=1e-6,
+)
+# Llama-3.2-1B
+LLAMA_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_hidden_layers=16,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
+# Llama-3.2-3B
+LLAMA_3B = dict(LLAMA_1B, hidden_size=3072, num_attention_heads=24, num_hidden_layers=28)
+SHAPES = {
+    "smollm2": ("LlamaConfig", "LlamaForCausalLM", SMOLLM2),
+    "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_270M),
+    "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B),
+    "llama-3b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_3B),
+}
 K = 100
 
 
@@ -72,8 +103,14 @@ class HeldBatch:
         return self.held
 
 
-def make_student(shape: str, layers: int, max_len: int, impl: str, device: str = "cpu",
-                 head_dtype: torch.dtype = torch.float32) -> tuple[KDStudent, torch.optim.Optimizer]:
+def make_student(
+    shape: str,
+    layers: int,
+    max_len: int,
+    impl: str,
+    device: str = "cpu",
+    head_dtype: torch.dtype = torch.float32,
+) -> tuple[KDStudent, torch.optim.Optimizer]:
     """A randomly initialised student of this shape (layers=0: the shape's own depth), built on the device."""
     import transformers
 
@@ -84,7 +121,9 @@ def make_student(shape: str, layers: int, max_len: int, impl: str, device: str =
     with torch.device(device):
         model = getattr(transformers, model_name)(config)
     model.config.use_cache = False
-    module = KDStudent(model.train(), dims["vocab_size"], LossOptions(impl=impl), head_dtype=head_dtype)
+    module = KDStudent(
+        model.train(), dims["vocab_size"], LossOptions(impl=impl), head_dtype=head_dtype
+    )
     return module, torch.optim.AdamW(module.parameters(), lr=1e-4)
 
 
@@ -96,22 +135,34 @@ def model_flops(module: KDStudent, tokens: int) -> float:
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     if embed.data_ptr() != head.data_ptr():
         params -= embed.numel()
-    return 6 * params * tokens + 6 * model.config.num_hidden_layers * tokens**2 * model.config.hidden_size
+    return (
+        6 * params * tokens
+        + 6 * model.config.num_hidden_layers * tokens**2 * model.config.hidden_size
+    )
 
 
-def synthetic_batch(vocab: int, rows: int, size: int, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+def synthetic_batch(
+    vocab: int, rows: int, size: int, seed: int = 0, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """`size` samples of `rows` tokens, one document each, with synthetic teacher top-K rows (drawn on device)."""
     ids, logprobs = teacher_rows(rows * size, vocab, K, device, seed)
     ids, logprobs = ids.cpu(), logprobs.cpu()
     tokens = torch.randint(0, vocab, (size, rows), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": tokens, "position_ids": torch.arange(rows).expand(size, rows).contiguous(),
-            "teacher_ids": ids.view(size, rows, K), "teacher_logprobs": logprobs.view(size, rows, K),
-            "teacher_logz": torch.zeros(size, rows), "kd_mask": torch.ones(size, rows, dtype=torch.bool),
-            "labels": torch.full((size, rows), -100)}
+    return {
+        "input_ids": tokens,
+        "position_ids": torch.arange(rows).expand(size, rows).contiguous(),
+        "teacher_ids": ids.view(size, rows, K),
+        "teacher_logprobs": logprobs.view(size, rows, K),
+        "teacher_logz": torch.zeros(size, rows),
+        "kd_mask": torch.ones(size, rows, dtype=torch.bool),
+        "labels": torch.full((size, rows), -100),
+    }
 
 
 def step(module, optimizer, stream, size: int, index: int = 0, bf16: bool = False) -> float:
-    cfg = TrainConfig(batch_size=size, grad_accum=1, steps=10**6, warmup_steps=0, autocast_bf16=bf16)
+    cfg = TrainConfig(
+        batch_size=size, grad_accum=1, steps=10**6, warmup_steps=0, autocast_bf16=bf16
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     state = {"step": 0, "samples": index * size}
     return train_step(module, stream, optimizer, scheduler, cfg, state)["seconds"]
@@ -129,8 +180,12 @@ def measure_memory(shape: str, impl: str, tokens: int, layers: int) -> dict:
     memory = PeakMemory(torch.device("cpu"))
     memory.reset()
     seconds = step(module, optimizer, batch, 1)
-    return {"impl": impl, "step_peak_bytes": memory.peak(), "process_peak_bytes": status_kib("VmHWM") * 1024,
-            "step_s": seconds}
+    return {
+        "impl": impl,
+        "step_peak_bytes": memory.peak(),
+        "process_peak_bytes": status_kib("VmHWM") * 1024,
+        "step_s": seconds,
+    }
 
 
 def measure_time(shape: str, impls: list[str], tokens: int, layers: int, repeats: int) -> dict:
@@ -145,12 +200,16 @@ def measure_time(shape: str, impls: list[str], tokens: int, layers: int, repeats
     return {"times_s": times, "median_s": {impl: statistics.median(t) for impl, t in times.items()}}
 
 
-def measure_device(shape: str, impls: list[str], tokens: int, layers: int, repeats: int, device: str):
+def measure_device(
+    shape: str, impls: list[str], tokens: int, layers: int, repeats: int, device: str
+):
     """Per impl, one JSON line: a bf16 mixed-precision step's peak memory (allocated and reserved), median
     time and model TFLOP/s. An impl that runs out of memory is a line too; the next impl still runs."""
     module, optimizer = make_student(shape, layers, tokens, impls[0], device, torch.bfloat16)
     vocab = module.teacher_vocab
-    batch = HeldBatch({k: v.to(device) for k, v in synthetic_batch(vocab, tokens, 1, device=device).items()})
+    batch = HeldBatch(
+        {k: v.to(device) for k, v in synthetic_batch(vocab, tokens, 1, device=device).items()}
+    )
     flops = model_flops(module, tokens)
     for impl in impls:
         module.options = dataclasses.replace(module.options, impl=impl)
@@ -161,8 +220,13 @@ def measure_device(shape: str, impls: list[str], tokens: int, layers: int, repea
             memory.reset()
             step(module, optimizer, batch, 1, bf16=True)
             times = [step(module, optimizer, batch, 1, bf16=True) for _ in range(repeats)]
-            row.update(status="ok", peak_bytes=memory.peak() + memory.base, **memory.reserved(),
-                       step_s=statistics.median(times), tflops=flops / statistics.median(times) / 1e12)
+            row.update(
+                status="ok",
+                peak_bytes=memory.peak() + memory.base,
+                **memory.reserved(),
+                step_s=statistics.median(times),
+                tflops=flops / statistics.median(times) / 1e12,
+            )
         except torch.OutOfMemoryError as e:
             row.update(out_of_memory(e))
         optimizer.zero_grad(set_to_none=True)
@@ -180,25 +244,38 @@ def measure_loading(shape: str, tokens: int, size: int, layers: int, repeats: in
         write_synthetic_cache(root, module.teacher_vocab, tokens, size * (repeats + 1))
         stream = SampleStream(TopKCache(root), tokens, seed=0)
         held = HeldBatch(stream.batch(0, size))
-        step(module, optimizer, held, size)  # the first full-size step pays one-time costs: not timed
+        # the first full-size step pays one-time costs: not timed
+        step(module, optimizer, held, size)
         cached, in_memory, decode = [], [], []
         for r in range(repeats):
             t0 = time.perf_counter()
             stream.batch((r + 1) * size, size)  # decode alone, on samples not read before
             decode.append(time.perf_counter() - t0)
             stream.forget_decoded()  # nothing left decoded: the cached step reads its batch from the shards
-            pair = [lambda: cached.append(step(module, optimizer, stream, size, index=r)),
-                    lambda: in_memory.append(step(module, optimizer, held, size))]
+            pair = [
+                lambda: cached.append(step(module, optimizer, stream, size, index=r)),
+                lambda: in_memory.append(step(module, optimizer, held, size)),
+            ]
             for run in pair if r % 2 == 0 else pair[::-1]:  # alternate which goes first
                 run()
-    return {"cached_step_s": cached, "in_memory_step_s": in_memory, "decode_batch_s": decode,
-            "cached_over_in_memory": statistics.median(cached) / statistics.median(in_memory)}
+    return {
+        "cached_step_s": cached,
+        "in_memory_step_s": in_memory,
+        "decode_batch_s": decode,
+        "cached_over_in_memory": statistics.median(cached) / statistics.median(in_memory),
+    }
 
 
 def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None:
     """A real rice-zstd cache (the build's writer) holding synthetic teacher rows."""
     from topkd.cache import manifest as mf
-    from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, shard_facts, write_shard
+    from topkd.cache.shard import (
+        DEFAULT_CODEC,
+        TeacherSequence,
+        encode_shard,
+        shard_facts,
+        write_shard,
+    )
 
     os.makedirs(os.path.join(root, "shards"))
     seqs = []
@@ -206,20 +283,41 @@ def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None
         ids, logprobs = teacher_rows(rows, vocab, K, "cpu", seed=100 + i)
         lp = logprobs.numpy()
         mass = np.logaddexp.reduce(lp, axis=1).astype(np.float32)
-        seqs.append(TeacherSequence(input_ids=np.random.default_rng(i).integers(0, vocab, rows),
-                                    ids=ids.numpy(), logprobs=lp, log_mass=mass,
-                                    log_tail=np.log1p(-np.exp(mass)).astype(np.float32),
-                                    logz=np.zeros((rows, 0), np.float32), doc_starts=np.array([0]),
-                                    source_index=i, token_offset=i * rows))
-    fingerprint = {"teacher": "synthetic", "vocab_size": vocab, "k": K, "temperatures": [],
-                   "tokenizer_sha256": "synthetic", "dtype": "float32", "engine": "synthetic",
-                   "alignment": "row t holds p(x_{t+1} | x_<=t)"}
+        seqs.append(
+            TeacherSequence(
+                input_ids=np.random.default_rng(i).integers(0, vocab, rows),
+                ids=ids.numpy(),
+                logprobs=lp,
+                log_mass=mass,
+                log_tail=np.log1p(-np.exp(mass)).astype(np.float32),
+                logz=np.zeros((rows, 0), np.float32),
+                doc_starts=np.array([0]),
+                source_index=i,
+                token_offset=i * rows,
+            )
+        )
+    fingerprint = {
+        "teacher": "synthetic",
+        "vocab_size": vocab,
+        "k": K,
+        "temperatures": [],
+        "tokenizer_sha256": "synthetic",
+        "dtype": "float32",
+        "engine": "synthetic",
+        "alignment": "row t holds p(x_{t+1} | x_<=t)",
+    }
     build = {"seq_len": rows, "codec": DEFAULT_CODEC, "separator": None, "data": []}
     build_hash = mf.build_hash(fingerprint, build)
-    arrays, meta = encode_shard(seqs, vocab=vocab, codec_name=DEFAULT_CODEC,
-                                identity={"build_hash": build_hash, "shard": 0, "sequences": f"0,{n_seqs}"})
+    arrays, meta = encode_shard(
+        seqs,
+        vocab=vocab,
+        codec_name=DEFAULT_CODEC,
+        identity={"build_hash": build_hash, "shard": 0, "sequences": f"0,{n_seqs}"},
+    )
     nbytes = write_shard(mf.shard_path(root, 0), arrays, meta)
-    side = mf.write_sidecar(root, 0, nbytes, 0, n_seqs, rows * n_seqs, build_hash, **shard_facts(seqs, meta))
+    side = mf.write_sidecar(
+        root, 0, nbytes, 0, n_seqs, rows * n_seqs, build_hash, **shard_facts(seqs, meta)
+    )
     mf.write_manifest(root, fingerprint, build, [side])
 
 
@@ -242,8 +340,14 @@ def main(argv=None) -> None:
     if a.phase == "device":  # one line per impl, printed as each finishes
         measure_device(a.shape, impls, a.tokens, a.layers, a.repeats, a.device)
         return
-    row = {"phase": a.phase, "shape": a.shape, "impls": impls, "tokens": a.tokens, "layers": a.layers,
-           "batch": a.batch}
+    row = {
+        "phase": a.phase,
+        "shape": a.shape,
+        "impls": impls,
+        "tokens": a.tokens,
+        "layers": a.layers,
+        "batch": a.batch,
+    }
     try:
         if a.phase == "memory":
             row.update(measure_memory(a.shape, impls[0], a.tokens, a.layers))

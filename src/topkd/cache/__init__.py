@@ -1,4 +1,5 @@
 """The teacher top-K cache: build once (`build`), read anywhere (`TopKCache`). Format: docs/cache-format.md."""
+
 from topkd.cache.build import build
 from topkd.cache.build_config import CacheBuildConfig
 from topkd.cache.inspect import inspect_cache, verify_cache

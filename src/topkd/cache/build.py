@@ -7,6 +7,7 @@ Resumable: shards whose sidecar verifies are skipped, so killing the build at an
 rerunning the same command continues and yields the same bytes as an uninterrupted run.
 The manifest is written last by rank 0; a cache without it is refused by the reader.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,48 +41,71 @@ def build(cfg: CacheBuildConfig) -> dict:
     check_config(cfg)
     engine = ENGINES[cfg.engine]
     rank, world = dist.init(cfg.device) if engine.distributed else (0, 1)
-    teacher = engine.load(cfg.teacher, dtype=cfg.dtype, device=dist.local_device(cfg.device), k=cfg.k,
-                          tensor_parallel=cfg.tensor_parallel, seq_len=cfg.seq_len)
+    teacher = engine.load(
+        cfg.teacher,
+        dtype=cfg.dtype,
+        device=dist.local_device(cfg.device),
+        k=cfg.k,
+        tensor_parallel=cfg.tensor_parallel,
+        seq_len=cfg.seq_len,
+    )
     check_teacher_fits(teacher, cfg)
     me, builders = cfg.part * world + rank, cfg.parts * world
-    total = _count_tokens(teacher, cfg, me, builders)  # also refuses empty or out-of-vocabulary data
+    # also refuses empty or out-of-vocabulary data
+    total = _count_tokens(teacher, cfg, me, builders)
     refuse_links(cfg.out, ["shards", mf.MANIFEST, TOKENIZER_DIR])
-    os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)  # only once the inputs are known to be usable
+    # only once the inputs are known to be usable
+    os.makedirs(os.path.join(cfg.out, "shards"), exist_ok=True)
     with build_lock(cfg.out, f"{cfg.part}-{rank}"):
         fingerprint = teacher.fingerprint(row_width(cfg), tuple(cfg.temperatures))
         build_info = _build_info(cfg, teacher)
         build_hash = mf.build_hash(fingerprint, build_info)
         if rank == 0 and cfg.part == 0:
-            check_or_repair(cfg.out, build_hash)  # leaves manifest.json only when complete and verified
+            # leaves manifest.json only when complete and verified
+            check_or_repair(cfg.out, build_hash)
         dist.barrier()
         existing = finished(cfg.out, build_hash)
         if existing is not None:
             done = existing["totals"]
-            print(f"cache build: {cfg.out} is already complete and verified ({count(done['shards'], 'shard')}, "
-                  f"{count(done['tokens'], 'token')}); nothing to do", flush=True)
+            print(
+                f"cache build: {cfg.out} is already complete and verified ({count(done['shards'], 'shard')}, "
+                f"{count(done['tokens'], 'token')}); nothing to do",
+                flush=True,
+            )
             return existing
         try:
             n_shards = _build_shards(teacher, cfg, build_hash, me, builders, total)
         except Interrupted as e:
-            raise Interrupted(e.signum, f"stopped by {signal.Signals(e.signum).name}: the shard in flight was "
-                              "dropped, finished shards are kept; rerun the same command to resume") from None
+            raise Interrupted(
+                e.signum,
+                f"stopped by {signal.Signals(e.signum).name}: the shard in flight was "
+                "dropped, finished shards are kept; rerun the same command to resume",
+            ) from None
         dist.barrier()
         if cfg.parts > 1:
-            print(f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to "
-                  "write the manifest", flush=True)
+            print(
+                f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to "
+                "write the manifest",
+                flush=True,
+            )
             return {}
         if rank != 0:
             return {}
         sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
         missing = [j for j, s in enumerate(sidecars) if s is None]
         if missing:
-            raise mf.CacheError(f"shards {missing[:10]} are missing or failed verification; rerun the same command")
+            raise mf.CacheError(
+                f"shards {missing[:10]} are missing or failed verification; rerun the same command"
+            )
         tokenizer_files = save_teacher_tokenizer(cfg.out, teacher.tokenizer)
         manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars, tokenizer_files)
     totals = manifest["totals"]
-    print(f"cache build: wrote {count(totals['shards'], 'shard')}, {count(totals['sequences'], 'sequence')}, "
-          f"{count(totals['tokens'], 'token')}, {totals['bytes'] / 1e6:.2f} MB ({totals['bytes_per_token']:.1f} "
-          f"bytes/token) to {cfg.out}", flush=True)
+    print(
+        f"cache build: wrote {count(totals['shards'], 'shard')}, {count(totals['sequences'], 'sequence')}, "
+        f"{count(totals['tokens'], 'token')}, {totals['bytes'] / 1e6:.2f} MB ({totals['bytes_per_token']:.1f} "
+        f"bytes/token) to {cfg.out}",
+        flush=True,
+    )
     return manifest
 
 
@@ -92,35 +116,74 @@ def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
         check_chat_tokenizer(teacher.tokenizer, cfg.chat_template)
     if not 1 <= row_width(cfg) <= teacher.vocab:
         name = "samples" if cfg.targets == "sampled" else "k"
-        raise ValueError(f"{name}: expected 1 <= {name} <= vocab size {teacher.vocab}, got {row_width(cfg)}")
+        raise ValueError(
+            f"{name}: expected 1 <= {name} <= vocab size {teacher.vocab}, got {row_width(cfg)}"
+        )
     config = getattr(getattr(teacher, "model", None), "config", None)
     check_positions(getattr(config, "max_position_embeddings", None), cfg.seq_len)
 
 
-def _build_shards(teacher: TeacherEngine, cfg: CacheBuildConfig, build_hash: str, rank: int, world: int, total: int) -> int:
-    bar = progress(total=total, desc=f"cache build (rank {rank})" if world > 1 else "cache build", unit="tok")
+def _build_shards(
+    teacher: TeacherEngine,
+    cfg: CacheBuildConfig,
+    build_hash: str,
+    rank: int,
+    world: int,
+    total: int,
+) -> int:
+    bar = progress(
+        total=total, desc=f"cache build (rank {rank})" if world > 1 else "cache build", unit="tok"
+    )
     written, start, n_shards = 0, time.perf_counter(), 0
     try:
         for j, group in enumerate(_batched(_sequences(teacher, cfg), cfg.seqs_per_shard)):
             n_shards = j + 1
             tokens = sum(len(s.tokens) for s in group)
             if j % world != rank or mf.done_shard(cfg.out, j, build_hash) is not None:
-                skipped(bar, tokens if j % world == rank else 0)  # done before: not part of this run's rate
+                # done before: not part of this run's rate
+                skipped(bar, tokens if j % world == rank else 0)
                 continue
             remove_stale_temps(cfg.out, j)
-            rows = [teacher_sequence(s, _adapted(cfg, r)) for s, r in zip(group, teacher.sequence_rows(
-                group, row_width(cfg), tuple(cfg.temperatures), cfg.batch_size, on_batch=bar.update,  # per batch
-                sampler=_sampler(cfg, teacher, build_hash, j)))]
+            rows = [
+                teacher_sequence(s, _adapted(cfg, r))
+                for s, r in zip(
+                    group,
+                    teacher.sequence_rows(
+                        group,
+                        row_width(cfg),
+                        tuple(cfg.temperatures),
+                        cfg.batch_size,
+                        on_batch=bar.update,  # per batch
+                        sampler=_sampler(cfg, teacher, build_hash, j),
+                    ),
+                )
+            ]
             first = group[0].index
-            identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
-            arrays, meta = encode_shard(rows, vocab=teacher.vocab, codec_name=cfg.codec, identity=identity,
-                                        temperatures=tuple(cfg.temperatures), variable_k=cfg.targets != "topk",
-                                        samples=cfg.samples if cfg.targets == "sampled" and not cfg.head else None)
+            identity = {
+                "build_hash": build_hash,
+                "shard": j,
+                "sequences": f"{first},{first + len(group)}",
+            }
+            arrays, meta = encode_shard(
+                rows,
+                vocab=teacher.vocab,
+                codec_name=cfg.codec,
+                identity=identity,
+                temperatures=tuple(cfg.temperatures),
+                variable_k=cfg.targets != "topk",
+                samples=cfg.samples if cfg.targets == "sampled" and not cfg.head else None,
+            )
             nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
-            mf.write_sidecar(cfg.out, j, nbytes, first, len(group), tokens, build_hash, **shard_facts(rows, meta))
+            mf.write_sidecar(
+                cfg.out, j, nbytes, first, len(group), tokens, build_hash, **shard_facts(rows, meta)
+            )
             written += nbytes
-            bar.set_postfix(shards=n_shards, MB=f"{written / 1e6:.1f}", B_per_tok=f"{nbytes / tokens:.0f}",
-                            s=f"{time.perf_counter() - start:.0f}")
+            bar.set_postfix(
+                shards=n_shards,
+                MB=f"{written / 1e6:.1f}",
+                B_per_tok=f"{nbytes / tokens:.0f}",
+                s=f"{time.perf_counter() - start:.0f}",
+            )
     finally:  # an error or a signal mid-build: the bar's timer stops with it
         bar.close()
     return n_shards
@@ -128,7 +191,11 @@ def _build_shards(teacher: TeacherEngine, cfg: CacheBuildConfig, build_hash: str
 
 def _adapted(cfg: CacheBuildConfig, rows: EngineRows) -> EngineRows:
     """--targets topp: the rows cut to mass --top-p (topkd/cache/adaptive.py); other targets as they come."""
-    return adaptive_rows(rows, cfg.top_p, cfg.min_k, tuple(cfg.temperatures)) if cfg.targets == "topp" else rows
+    return (
+        adaptive_rows(rows, cfg.top_p, cfg.min_k, tuple(cfg.temperatures))
+        if cfg.targets == "topp"
+        else rows
+    )
 
 
 def _sampler(cfg: CacheBuildConfig, teacher, build_hash: str, j: int):
@@ -136,13 +203,23 @@ def _sampler(cfg: CacheBuildConfig, teacher, build_hash: str, j: int):
     if cfg.targets != "sampled":
         return None
     device = getattr(getattr(teacher, "model", None), "device", torch.device("cpu"))
-    return Sampler(torch.Generator(device=device).manual_seed(sampling_seed(build_hash, j)), cfg.samples, cfg.head)
+    return Sampler(
+        torch.Generator(device=device).manual_seed(sampling_seed(build_hash, j)),
+        cfg.samples,
+        cfg.head,
+    )
 
 
 def _sequences(teacher, cfg: CacheBuildConfig):
     """The packed sequences of the build's data."""
-    docs = iter_documents(cfg.data, teacher.tokenizer, cfg.text_field, vocab=teacher.vocab,
-                          messages_field=cfg.messages_field, train_on=cfg.train_on)
+    docs = iter_documents(
+        cfg.data,
+        teacher.tokenizer,
+        cfg.text_field,
+        vocab=teacher.vocab,
+        messages_field=cfg.messages_field,
+        train_on=cfg.train_on,
+    )
     seqs = pack_sequences(docs, cfg.seq_len, teacher.tokenizer.eos_token_id)
     return itertools.islice(seqs, cfg.max_sequences) if cfg.max_sequences else seqs
 
@@ -156,20 +233,32 @@ def _count_tokens(teacher, cfg: CacheBuildConfig, rank: int, world: int) -> int:
         total += sum(len(s.tokens) for s in group) if j % world == rank else 0
         content = content or any(bool((s.tokens != separator).any()) for s in group)
         masked = masked or any(s.row_mask is not None for s in group)
-        counted += sum(len(s.tokens) if s.row_mask is None else int(s.row_mask.sum()) for s in group)
+        counted += sum(
+            len(s.tokens) if s.row_mask is None else int(s.row_mask.sum()) for s in group
+        )
     if not content:
-        raise ValueError(f"data: expected some text, got no tokens in {cfg.data} (empty files, or JSONL lines with "
-                         "empty text); check the inputs")
+        raise ValueError(
+            f"data: expected some text, got no tokens in {cfg.data} (empty files, or JSONL lines with "
+            "empty text); check the inputs"
+        )
     if masked and not counted:
         seen = chat_roles(cfg.data, cfg.messages_field)
         roles = ", ".join(f"{r!r} x{n}" for r, n in seen.most_common(8))
-        why = ("the chat template renders none of their text" if "assistant" in seen else
-               "rename the replies' role to 'assistant'")
-        raise ValueError(f"chat data: expected assistant turns to train on (role 'assistant'), got none in "
-                         f"{cfg.data} (roles seen: {roles}); {why}, or pass --train-on all")
+        why = (
+            "the chat template renders none of their text"
+            if "assistant" in seen
+            else "rename the replies' role to 'assistant'"
+        )
+        raise ValueError(
+            f"chat data: expected assistant turns to train on (role 'assistant'), got none in "
+            f"{cfg.data} (roles seen: {roles}); {why}, or pass --train-on all"
+        )
     if masked and rank == 0:
-        print(f"cache build: chat data: {counted} of the data's tokens are training targets ({cfg.train_on} turns); "
-              "the rest is context", flush=True)
+        print(
+            f"cache build: chat data: {counted} of the data's tokens are training targets ({cfg.train_on} turns); "
+            "the rest is context",
+            flush=True,
+        )
     return total
 
 
@@ -181,14 +270,32 @@ def _batched(iterable, n: int):
 
 def _build_info(cfg: CacheBuildConfig, teacher: TeacherEngine) -> dict:
     """Everything besides the teacher that decides the cache's bytes: data files and settings."""
-    data = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)} for p in cfg.data]
-    keep = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "codec", "seqs_per_shard", "max_sequences",
-                                                             "text_field")}
-    defaults = CacheBuildConfig()  # chat settings only when changed: plain caches keep their build hash
-    keep.update({k: getattr(cfg, k) for k in ("messages_field", "train_on") if getattr(cfg, k) != getattr(defaults, k)})
+    data = [
+        {"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)}
+        for p in cfg.data
+    ]
+    keep = {
+        k: v
+        for k, v in asdict(cfg).items()
+        if k in ("seq_len", "codec", "seqs_per_shard", "max_sequences", "text_field")
+    }
+    # chat settings only when changed: plain caches keep their build hash
+    defaults = CacheBuildConfig()
+    keep.update(
+        {
+            k: getattr(cfg, k)
+            for k in ("messages_field", "train_on")
+            if getattr(cfg, k) != getattr(defaults, k)
+        }
+    )
     if cfg.targets == "sampled":  # top-K caches keep their build hash
-        keep["targets"] = {"kind": "sampled", "samples": cfg.samples, "temperature": 1.0,
-                           **({"head": cfg.head} if cfg.head else {})}  # no head: the hash of earlier builds
+        # no head: the hash of earlier builds
+        keep["targets"] = {
+            "kind": "sampled",
+            "samples": cfg.samples,
+            "temperature": 1.0,
+            **({"head": cfg.head} if cfg.head else {}),
+        }
     if cfg.targets == "topp":
         keep["targets"] = {"kind": "topp", "top_p": cfg.top_p, "min_k": cfg.min_k}
     if cfg.chat_template:

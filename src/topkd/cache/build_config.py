@@ -5,6 +5,7 @@
 
 The build itself is topkd/cache/build.py; the teacher engines --engine names, topkd/cache/engines.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,44 +62,49 @@ BUILD_HELP = {
     "seq_len": "tokens per sequence (documents are packed, EOS-separated; the last sequence may be shorter)",
     "k": "top-K log-probs kept per token",
     "targets": "topk (the teacher's K most likely ids, exact, the rest one tail bucket) | sampled (--samples N "
-               "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
-               "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 5",
+    "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
+    "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 5",
     "samples": "--targets sampled: draws per token (with replacement; about a quarter come out distinct)",
     "head": "--targets sampled: keep this many most likely ids exact and draw --samples from the rest (a hybrid)",
     "top_p": "--targets topp: keep per token the fewest of the top-K entries whose mass reaches this (the rest "
-             "join the exact tail bucket)",
+    "join the exact tail bucket)",
     "min_k": "--targets topp: entries kept per token at least",
     "temperatures": "comma-separated T values whose normaliser c_T is stored per token (tempered bucket KD)",
     "codec": "rice-zstd (Rice-coded sorted-id gaps + uint8 log-probs, zstd per sequence; smallest) | rice | "
-             "packed (ceil(log2 V) bits per id, fixed bytes per token)",
+    "packed (ceil(log2 V) bits per id, fixed bytes per token)",
     "seqs_per_shard": "sequences per shard file (the unit of work a crash can lose)",
     "batch_size": "sequences per teacher forward",
     "max_sequences": "stop after this many sequences (0: all of the data)",
     "text_field": "JSONL field holding the text",
     "messages_field": "JSONL field holding a conversation ([{role, content}, ...]): rendered with the teacher's chat "
-                      "template, one conversation per document",
+    "template, one conversation per document",
     "train_on": "chat data: assistant (only assistant turns and their end-of-turn token count for KD and CE; the "
-                "teacher still reads the whole conversation) | all",
+    "teacher still reads the whole conversation) | all",
     "chat_template": "a Jinja chat template file to render conversations with (default: the teacher tokenizer's)",
     "dtype": "teacher weights dtype: float32 | bfloat16 | float16 (the lm_head math is always fp32)",
     "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK)",
     "engine": "hf (transformers, any device, torchrun data-parallel) | vllm (vLLM in its own environment, see "
-              "docs/scale-out.md: one process serving the teacher over --tensor-parallel GPUs; no --temperatures)",
+    "docs/scale-out.md: one process serving the teacher over --tensor-parallel GPUs; no --temperatures)",
     "tensor_parallel": "--engine vllm: GPUs the teacher is split across",
     "part": "with --parts W: this build writes shards j with j mod W == part (one machine of a fleet)",
     "parts": "independent builds sharing --out (e.g. one per node, any scheduler); when all are done, rerun with "
-             "--parts 1 to write the manifest (finished shards are kept, not recomputed)",
+    "--parts 1 to write the manifest (finished shards are kept, not recomputed)",
 }
 
 
 def check_config(cfg: CacheBuildConfig) -> None:
     if not cfg.teacher or not cfg.out:
-        raise ValueError(f"expected --teacher and --out, got teacher={cfg.teacher!r} out={cfg.out!r}")
+        raise ValueError(
+            f"expected --teacher and --out, got teacher={cfg.teacher!r} out={cfg.out!r}"
+        )
     if not os.path.exists(cfg.teacher):
-        raise ValueError(f"teacher: expected a local model directory or .gguf file, got {cfg.teacher!r} (not found); "
-                         "download the model first, topkd never fetches from a hub")
+        raise ValueError(
+            f"teacher: expected a local model directory or .gguf file, got {cfg.teacher!r} (not found); "
+            "download the model first, topkd never fetches from a hub"
+        )
     require_device(cfg.device)
-    check_positions(model_positions(cfg.teacher), cfg.seq_len)  # config.json or GGUF header: before loading
+    # config.json or GGUF header: before loading
+    check_positions(model_positions(cfg.teacher), cfg.seq_len)
     check_paths(cfg.data)
     if cfg.codec not in CODECS:
         raise ValueError(f"codec: expected one of {CODECS}, got {cfg.codec!r}")
@@ -121,11 +127,17 @@ def _check_targets(cfg: CacheBuildConfig) -> None:
     require_ints(cfg, ("samples",), 1)
     require_ints(cfg, ("head",), 0)
     if cfg.head and cfg.targets != "sampled":
-        raise ValueError(f"--head: expected only with --targets sampled, got --head {cfg.head} with --targets "
-                         f"{cfg.targets}; --k sets a top-K cache's width")
-    if cfg.targets == "topp" and not (0 < cfg.top_p <= 1 and isinstance(cfg.min_k, int) and 1 <= cfg.min_k <= cfg.k):
-        raise ValueError(f"--targets topp: expected 0 < --top-p <= 1 and 1 <= --min-k <= --k, got top_p={cfg.top_p} "
-                         f"min_k={cfg.min_k} k={cfg.k}")
+        raise ValueError(
+            f"--head: expected only with --targets sampled, got --head {cfg.head} with --targets "
+            f"{cfg.targets}; --k sets a top-K cache's width"
+        )
+    if cfg.targets == "topp" and not (
+        0 < cfg.top_p <= 1 and isinstance(cfg.min_k, int) and 1 <= cfg.min_k <= cfg.k
+    ):
+        raise ValueError(
+            f"--targets topp: expected 0 < --top-p <= 1 and 1 <= --min-k <= --k, got top_p={cfg.top_p} "
+            f"min_k={cfg.min_k} k={cfg.k}"
+        )
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
 
@@ -136,20 +148,28 @@ def _check_engine(cfg: CacheBuildConfig) -> None:
         raise ValueError(f"engine: expected one of {' | '.join(ENGINES)}, got {cfg.engine!r}")
     engine = ENGINES[cfg.engine]
     if cfg.targets == "sampled" and (cfg.temperatures or not engine.full_vocabulary):
-        raise ValueError(f"--targets sampled: expected --engine hf and no --temperatures, got engine={cfg.engine!r} "
-                         f"temperatures={cfg.temperatures}; the draws are from the teacher at T = 1 (counts carry "
-                         "no c_T), and an engine that returns only a top-K has nothing to draw from")
+        raise ValueError(
+            f"--targets sampled: expected --engine hf and no --temperatures, got engine={cfg.engine!r} "
+            f"temperatures={cfg.temperatures}; the draws are from the teacher at T = 1 (counts carry "
+            "no c_T), and an engine that returns only a top-K has nothing to draw from"
+        )
     if not engine.full_vocabulary and cfg.temperatures:
-        raise ValueError(f"--engine {cfg.engine}: expected no --temperatures, got {cfg.temperatures}; it returns only "
-                         "the top-K, so c_T over the full vocabulary cannot be computed; use --engine hf, or train "
-                         "with --tail renorm (needs no c_T)")
+        raise ValueError(
+            f"--engine {cfg.engine}: expected no --temperatures, got {cfg.temperatures}; it returns only "
+            "the top-K, so c_T over the full vocabulary cannot be computed; use --engine hf, or train "
+            "with --tail renorm (needs no c_T)"
+        )
     if not engine.distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(f"--engine {cfg.engine}: expected one process (it runs its own tensor-parallel workers), "
-                         f"got WORLD_SIZE={os.environ['WORLD_SIZE']}; run it without torchrun, one build per node "
-                         "with --part/--parts, or use --engine hf under torchrun")
+        raise ValueError(
+            f"--engine {cfg.engine}: expected one process (it runs its own tensor-parallel workers), "
+            f"got WORLD_SIZE={os.environ['WORLD_SIZE']}; run it without torchrun, one build per node "
+            "with --part/--parts, or use --engine hf under torchrun"
+        )
 
 
 def check_positions(limit: int | None, seq_len: int) -> None:
     if isinstance(limit, int) and seq_len > limit:
-        raise ValueError(f"seq_len: expected at most the teacher's {limit} positions (max_position_embeddings), got "
-                         f"{seq_len}; use --seq-len {limit} or less")
+        raise ValueError(
+            f"seq_len: expected at most the teacher's {limit} positions (max_position_embeddings), got "
+            f"{seq_len}; use --seq-len {limit} or less"
+        )

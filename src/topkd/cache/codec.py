@@ -19,6 +19,7 @@ never clamped: a sharp teacher's far-down entries keep their true depth, which t
 not, which spreads the KL cost of rounding evenly over the K entries; the decoder renormalises
 the entries to the exact top-K mass stored per token, so the mass split with the tail is exact.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,12 @@ import warnings
 
 import numpy as np
 
-PAD_CODE = 255  # format version 4: an entry that is padding (a row of variable K); its id is never read
-COMPAND = 3.0  # nats: the smallest per-token scale; code 254 then decodes to 16.6 nats below the top-1
+PAD_CODE = (
+    255  # format version 4: an entry that is padding (a row of variable K); its id is never read
+)
+COMPAND = (
+    3.0  # nats: the smallest per-token scale; code 254 then decodes to 16.6 nats below the top-1
+)
 MAX_SCALE = 4096.0  # largest scale (float16-exact); rows deeper than 4096 ln 255 nats (e.g. -inf entries) clamp
 MAX_CODE = 254
 
@@ -54,9 +59,15 @@ def unpack_bits(packed: np.ndarray, k: int, width: int) -> np.ndarray:
     if width == 0:
         return np.zeros((packed.shape[0], k), dtype=np.int64)
     if width in (8, 16):  # whole bytes: the little-endian bit order is the little-endian byte order
-        return np.ascontiguousarray(packed).view("<u1" if width == 8 else "<u2")[:, :k].astype(np.int64)
-    bits = np.unpackbits(packed, axis=1, count=k * width, bitorder="little").reshape(packed.shape[0], k, width)
-    weights = (np.int64(1) << np.arange(width, dtype=np.int64))
+        return (
+            np.ascontiguousarray(packed)
+            .view("<u1" if width == 8 else "<u2")[:, :k]
+            .astype(np.int64)
+        )
+    bits = np.unpackbits(packed, axis=1, count=k * width, bitorder="little").reshape(
+        packed.shape[0], k, width
+    )
+    weights = np.int64(1) << np.arange(width, dtype=np.int64)
     return bits.astype(np.int64) @ weights
 
 
@@ -64,8 +75,10 @@ def id_gaps(sorted_ids: np.ndarray) -> np.ndarray:
     """Ascending distinct ids [T, K] -> gaps >= 0 (first id, then distance - 1)."""
     gaps = np.diff(sorted_ids, axis=1, prepend=-1) - 1
     if gaps.size and gaps.min() < 0:
-        raise ValueError("teacher ids: expected K distinct ids per token, got a repeated id; "
-                         "top-K ids from torch.topk are always distinct, check the producer")
+        raise ValueError(
+            "teacher ids: expected K distinct ids per token, got a repeated id; "
+            "top-K ids from torch.topk are always distinct, check the producer"
+        )
     return gaps
 
 
@@ -90,11 +103,15 @@ def decode_unary(stream: np.ndarray, count: int) -> np.ndarray:
     """First `count` unary codes of a packed bit stream -> int64 quotients."""
     zeros = np.flatnonzero(np.unpackbits(stream, bitorder="little") == 0)[:count]
     if zeros.size != count:
-        raise ValueError(f"unary stream: expected {count} codes, found {zeros.size}; the shard is corrupt")
+        raise ValueError(
+            f"unary stream: expected {count} codes, found {zeros.size}; the shard is corrupt"
+        )
     return np.diff(zeros, prepend=-1) - 1
 
 
-def sorted_gaps(ids: np.ndarray, padding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def sorted_gaps(
+    ids: np.ndarray, padding: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Ids [T, K] (any order) -> (the permutation sorting each row ascending, the gaps of the sorted rows).
     padding [T, K] (format 4): those entries sort last with gap 0 each, the cheapest Rice code."""
     if padding is None or not padding.any():
@@ -104,7 +121,8 @@ def sorted_gaps(ids: np.ndarray, padding: np.ndarray | None = None) -> tuple[np.
     order = np.argsort(key, axis=1, kind="stable")
     ranked = np.take_along_axis(key, order, axis=1)
     pad = np.take_along_axis(padding, order, axis=1)
-    last = np.maximum.accumulate(np.where(pad, -1, ranked), axis=1)  # each padding follows the last real id
+    # each padding follows the last real id
+    last = np.maximum.accumulate(np.where(pad, -1, ranked), axis=1)
     ranked = np.where(pad, last + np.cumsum(pad, axis=1), ranked)
     return order, id_gaps(ranked)
 
@@ -125,18 +143,24 @@ def decode_rice(remainders: np.ndarray, stream: np.ndarray, k: int, b: int) -> n
 def row_scales(logprobs: np.ndarray) -> np.ndarray:
     """Per-row compander scale [T] float16: COMPAND, or wider so the row's lowest entry decodes at its depth."""
     lp = logprobs.astype(np.float64)
-    finite = np.where(np.isfinite(lp), lp, np.nan)  # -inf entries (masked logits) clamp to the last code
+    # -inf entries (masked logits) clamp to the last code
+    finite = np.where(np.isfinite(lp), lp, np.nan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an all-masked row has no depth: 0
-        depth = np.nan_to_num(np.nanmax(finite, axis=1) - np.nanmin(finite, axis=1)) if lp.size else \
-            np.zeros(lp.shape[0])
+        depth = (
+            np.nan_to_num(np.nanmax(finite, axis=1) - np.nanmin(finite, axis=1))
+            if lp.size
+            else np.zeros(lp.shape[0])
+        )
     scale = np.clip(depth / math.log(MAX_CODE + 1), COMPAND, MAX_SCALE)
     half = scale.astype(np.float16)
-    return np.where(half < scale, np.nextafter(half, np.float16(np.inf)), half)  # rounded up: nothing clamps
+    # rounded up: nothing clamps
+    return np.where(half < scale, np.nextafter(half, np.float16(np.inf)), half)
 
 
-def quantise_logprobs(logprobs: np.ndarray, scales: np.ndarray | None = None,
-                      padding: np.ndarray | None = None) -> np.ndarray:
+def quantise_logprobs(
+    logprobs: np.ndarray, scales: np.ndarray | None = None, padding: np.ndarray | None = None
+) -> np.ndarray:
     """[T, K] float log-probs (any order) -> uint8 codes of the companded gap below each row's max.
 
     scales: per-row compander scale (row_scales); None means COMPAND for every row (format version 1).
@@ -146,24 +170,36 @@ def quantise_logprobs(logprobs: np.ndarray, scales: np.ndarray | None = None,
         lp = np.where(padding, np.nan, lp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        d = np.nanmax(lp, axis=1, keepdims=True) - lp if padding is not None else lp.max(axis=1, keepdims=True) - lp
+        d = (
+            np.nanmax(lp, axis=1, keepdims=True) - lp
+            if padding is not None
+            else lp.max(axis=1, keepdims=True) - lp
+        )
     s = COMPAND if scales is None else scales.astype(np.float64)[:, None]
     u = -np.expm1(-d / s)
     codes = np.minimum(np.rint(np.nan_to_num(u) * (MAX_CODE + 1)), MAX_CODE).astype(np.uint8)
     return codes if padding is None else np.where(padding, PAD_CODE, codes).astype(np.uint8)
 
 
-_UNIT_DEPTH = np.array([-math.log1p(-c / (MAX_CODE + 1)) for c in range(MAX_CODE + 1)])  # d / scale per code
-_UNIT_DEPTH_PAD = np.append(_UNIT_DEPTH, np.inf)  # PAD_CODE: infinitely deep, exp 0: no share of the mass
+# d / scale per code
+_UNIT_DEPTH = np.array([-math.log1p(-c / (MAX_CODE + 1)) for c in range(MAX_CODE + 1)])
+# PAD_CODE: infinitely deep, exp 0: no share of the mass
+_UNIT_DEPTH_PAD = np.append(_UNIT_DEPTH, np.inf)
 
 
-def dequantise_logprobs(codes: np.ndarray, log_mass: np.ndarray, scales: np.ndarray | None = None,
-                        padding_allowed: bool = False) -> np.ndarray:
+def dequantise_logprobs(
+    codes: np.ndarray,
+    log_mass: np.ndarray,
+    scales: np.ndarray | None = None,
+    padding_allowed: bool = False,
+) -> np.ndarray:
     """uint8 codes [T, K] + exact log top-K mass [T] (+ per-row scales) -> float32 log-probs with that exact mass.
     padding_allowed (format 4): PAD_CODE decodes to -inf, outside the mass."""
     top = MAX_CODE + 1 if padding_allowed else MAX_CODE
     if codes.size and codes.max() > top:
-        raise ValueError(f"log-prob codes: expected 0..{top}, got {int(codes.max())}; the shard is corrupt")
+        raise ValueError(
+            f"log-prob codes: expected 0..{top}, got {int(codes.max())}; the shard is corrupt"
+        )
     s = COMPAND if scales is None else scales.astype(np.float64)[:, None]
     neg_d = -_UNIT_DEPTH_PAD[codes] * s
     shift = np.log(np.exp(neg_d).sum(axis=1, keepdims=True))  # max entry is 0, so no overflow
@@ -207,7 +243,9 @@ def best_context_parameters(gaps: np.ndarray, contexts: np.ndarray, n_contexts: 
 def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """1-D non-negative ints, value i in widths[i] bits -> one little-endian bit stream, zero padded to a byte."""
     owner, bit = ragged_positions(widths)
-    return np.packbits(((values.astype(np.int64)[owner] >> bit) & 1).astype(np.uint8), bitorder="little")
+    return np.packbits(
+        ((values.astype(np.int64)[owner] >> bit) & 1).astype(np.uint8), bitorder="little"
+    )
 
 
 def unpack_varwidth(stream: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -216,10 +254,13 @@ def unpack_varwidth(stream: np.ndarray, widths: np.ndarray) -> np.ndarray:
     widths = widths.astype(np.int64)
     total = int(widths.sum())
     if stream.size * 8 < total:
-        raise ValueError(f"remainder stream: expected {total} bits, got {stream.size * 8}; the shard is corrupt")
+        raise ValueError(
+            f"remainder stream: expected {total} bits, got {stream.size * 8}; the shard is corrupt"
+        )
     start = np.cumsum(widths) - widths
     padded = np.concatenate([stream, np.zeros(8, np.uint8)])
-    at_byte = np.ndarray((stream.size + 1,), dtype="<u8", buffer=padded, strides=(1,))  # 8 bytes from each byte
+    # 8 bytes from each byte
+    at_byte = np.ndarray((stream.size + 1,), dtype="<u8", buffer=padded, strides=(1,))
     window = at_byte[start >> 3]
     mask = (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)
     return ((window >> (start & 7).astype(np.uint64)) & mask).astype(np.int64)
@@ -235,8 +276,9 @@ def encode_rice_ragged(gaps: np.ndarray, bits: np.ndarray) -> tuple[np.ndarray, 
     return pack_varwidth(gaps & ((np.int64(1) << bits) - 1), bits), encode_unary(gaps >> bits)
 
 
-def decode_rice_ragged(remainders: np.ndarray, stream: np.ndarray, widths: np.ndarray,
-                       bits: np.ndarray) -> np.ndarray:
+def decode_rice_ragged(
+    remainders: np.ndarray, stream: np.ndarray, widths: np.ndarray, bits: np.ndarray
+) -> np.ndarray:
     """Inverse of encode_rice_ragged: the flat ascending ids of each row, row after row."""
     gaps = (decode_unary(stream, int(widths.sum())) << bits) | unpack_varwidth(remainders, bits)
     ends = np.concatenate([[0], np.cumsum(gaps + 1)])

@@ -8,6 +8,7 @@ Row t holds p(x_{t+1} | x_<=t). Every array has one entry per token; the K colum
 log-prob), entries with log-prob -inf are padding (variable K). The shard encoder takes them with their sequence
 (teacher_sequence: topkd.cache.shard.TeacherSequence).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +24,12 @@ class EngineRows:
     ids: np.ndarray  # [n, K] int32, rank order
     logprobs: np.ndarray  # [n, K] float32, normalised over the full vocabulary; -inf: padding
     log_mass: np.ndarray  # [n] float32, log of the kept entries' mass
-    log_tail: np.ndarray  # [n] float32, log of the mass outside them (-inf: none, or sampled targets)
+    # [n] float32, log of the mass outside them (-inf: none, or sampled targets)
+    log_tail: np.ndarray
     logz: np.ndarray  # [n, temperatures] float32, c_T = log sum_v exp(a_v / T)
-    log_mass_t: np.ndarray | None = None  # [n, temperatures] float32, the kept entries' exact mass at T
+    log_mass_t: np.ndarray | None = (
+        None  # [n, temperatures] float32, the kept entries' exact mass at T
+    )
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -43,11 +47,26 @@ class EngineRows:
         """Consecutive runs of rows as one (an engine's chunks, a sequence's documents)."""
         names = [f.name for f in dataclasses.fields(EngineRows)]
         joined = {n: [getattr(p, n) for p in parts] for n in names}
-        return EngineRows(**{n: None if any(a is None for a in v) else np.concatenate(v) for n, v in joined.items()})
+        return EngineRows(
+            **{
+                n: None if any(a is None for a in v) else np.concatenate(v)
+                for n, v in joined.items()
+            }
+        )
 
 
 def teacher_sequence(seq, rows: EngineRows) -> TeacherSequence:
     """One packed sequence and its teacher rows (from a TeacherEngine), as the shard encoder takes them."""
-    return TeacherSequence(input_ids=seq.tokens, ids=rows.ids, logprobs=rows.logprobs, log_mass=rows.log_mass,
-                           log_tail=rows.log_tail, logz=rows.logz, doc_starts=seq.doc_starts, source_index=seq.index,
-                           token_offset=seq.token_offset, log_mass_t=rows.log_mass_t, row_mask=seq.row_mask)
+    return TeacherSequence(
+        input_ids=seq.tokens,
+        ids=rows.ids,
+        logprobs=rows.logprobs,
+        log_mass=rows.log_mass,
+        log_tail=rows.log_tail,
+        logz=rows.logz,
+        doc_starts=seq.doc_starts,
+        source_index=seq.index,
+        token_offset=seq.token_offset,
+        log_mass_t=rows.log_mass_t,
+        row_mask=seq.row_mask,
+    )

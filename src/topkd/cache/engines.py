@@ -6,6 +6,7 @@
 Every engine returns a TeacherEngine (topkd.cache.teacher): the build asks this table what an engine can do,
 never which engine it is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,15 +19,24 @@ from topkd.cache.vllm_engine import VLLMTeacher
 @dataclass(frozen=True)
 class Engine:
     load: Callable[..., TeacherEngine]  # (source, *, dtype, device, k, tensor_parallel, seq_len)
-    distributed: bool  # one process per torchrun rank (False: one process; the engine runs its own workers)
-    full_vocabulary: bool  # sees every logit, so can store c_T and draw samples (False: its top-K only)
+    distributed: (
+        bool  # one process per torchrun rank (False: one process; the engine runs its own workers)
+    )
+    full_vocabulary: (
+        bool  # sees every logit, so can store c_T and draw samples (False: its top-K only)
+    )
 
 
-def _load_hf(source: str, *, dtype: str, device: str, k: int, tensor_parallel: int, seq_len: int) -> TeacherEngine:
-    return load_teacher(source, dtype, device)  # k, tensor_parallel, seq_len: chosen per call, or by torchrun
+def _load_hf(
+    source: str, *, dtype: str, device: str, k: int, tensor_parallel: int, seq_len: int
+) -> TeacherEngine:
+    # k, tensor_parallel, seq_len: chosen per call, or by torchrun
+    return load_teacher(source, dtype, device)
 
 
-def _load_vllm(source: str, *, dtype: str, device: str, k: int, tensor_parallel: int, seq_len: int) -> TeacherEngine:
+def _load_vllm(
+    source: str, *, dtype: str, device: str, k: int, tensor_parallel: int, seq_len: int
+) -> TeacherEngine:
     return VLLMTeacher(source, k, dtype, tensor_parallel, seq_len)  # vLLM places itself on its GPUs
 
 

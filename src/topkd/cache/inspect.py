@@ -1,8 +1,9 @@
 """`topkd cache verify` and `topkd cache inspect`: is the cache whole, and what is in it.
 
-    topkd cache verify runs/cache               # exit 0 when every shard matches its checksum
-    topkd cache inspect runs/cache --plot m.png # fingerprint, totals, bytes/token, retained-mass histogram
+topkd cache verify runs/cache               # exit 0 when every shard matches its checksum
+topkd cache inspect runs/cache --plot m.png # fingerprint, totals, bytes/token, retained-mass histogram
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ class InspectConfig:
     plot: str = ""
 
 
-INSPECT_HELP = {"path": "cache directory (its manifest.json and shards)",
-                "plot": "also write the retained-mass histogram as a PNG here"}
+INSPECT_HELP = {
+    "path": "cache directory (its manifest.json and shards)",
+    "plot": "also write the retained-mass histogram as a PNG here",
+}
 
 
 def verify_cache(path: str) -> int:
@@ -40,7 +43,9 @@ def verify_cache(path: str) -> int:
     for p in problems:
         print(f"BAD   {p}")
     shards = len(cache.manifest["shards"])
-    print(f"{'FAILED' if problems else 'OK'}: {shards - len(problems)}/{shards} shards verified ({path})")
+    print(
+        f"{'FAILED' if problems else 'OK'}: {shards - len(problems)}/{shards} shards verified ({path})"
+    )
     return 1 if problems else 0
 
 
@@ -51,7 +56,9 @@ def retained_mass(cache: TopKCache) -> np.ndarray:
     for j in range(len(cache.manifest["shards"])):
         shard = cache.shard(j)
         mass = np.exp(shard.tensor("log_mass").astype(np.float64))
-        parts.append(mass[shard.tensor("row_mask").astype(bool)] if "row_mask" in shard.names else mass)
+        parts.append(
+            mass[shard.tensor("row_mask").astype(bool)] if "row_mask" in shard.names else mass
+        )
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
@@ -63,22 +70,44 @@ def inspect_cache(path: str, plot: str | None = None) -> dict:
     print(f"cache      {path}")
     for key in ("teacher", "engine", "dtype", "vocab_size", "k", "temperatures", "alignment"):
         print(f"{key:<10} {fp[key]}")
-    print(f"codec      {m['build']['codec']}   seq_len {m['build']['seq_len']}   format v{m['format_version']}")
-    print(f"counted    {cache.counted_tokens} of {totals['tokens']} rows count for KD/CE "
-          f"({cache.counted_tokens / max(totals['tokens'], 1):.1%}; chat data: assistant turns only)")
-    print(f"totals     {totals['sequences']} sequences, {totals['tokens']} tokens, {totals['shards']} shards, "
-          f"{totals['bytes'] / 1e6:.2f} MB, {totals['bytes_per_token']:.1f} bytes/token")
+    print(
+        f"codec      {m['build']['codec']}   seq_len {m['build']['seq_len']}   format v{m['format_version']}"
+    )
+    print(
+        f"counted    {cache.counted_tokens} of {totals['tokens']} rows count for KD/CE "
+        f"({cache.counted_tokens / max(totals['tokens'], 1):.1%}; chat data: assistant turns only)"
+    )
+    print(
+        f"totals     {totals['sequences']} sequences, {totals['tokens']} tokens, {totals['shards']} shards, "
+        f"{totals['bytes'] / 1e6:.2f} MB, {totals['bytes_per_token']:.1f} bytes/token"
+    )
     print(f"top-K mass mean {mass.mean():.4f}, median {np.median(mass):.4f}, min {mass.min():.4f}")
     width = max(counts.max(), 1)
     for lo, hi, c in zip(MASS_BINS, MASS_BINS[1:], counts):
-        print(f"  [{lo:5.3f}, {hi:5.3f}{']' if hi == 1 else ')'} {c:>10}  {'#' * int(40 * c / width)}")
-    summary = {"path": path, "fingerprint": fp, "totals": totals, "mass_mean": float(mass.mean()),
-               "mass_hist": {"bins": MASS_BINS.tolist(), "counts": counts.tolist()}}
+        print(
+            f"  [{lo:5.3f}, {hi:5.3f}{']' if hi == 1 else ')'} {c:>10}  {'#' * int(40 * c / width)}"
+        )
+    summary = {
+        "path": path,
+        "fingerprint": fp,
+        "totals": totals,
+        "mass_mean": float(mass.mean()),
+        "mass_hist": {"bins": MASS_BINS.tolist(), "counts": counts.tolist()},
+    }
     if plot:
         _plot(mass, fp, plot)
         wrote("cache inspect", f"the retained-mass histogram to {plot}")
-    print(json.dumps({"cache": path, "tokens": totals["tokens"], "counted_tokens": cache.counted_tokens,
-                      "bytes_per_token": totals["bytes_per_token"], "mass_mean": summary["mass_mean"]}))
+    print(
+        json.dumps(
+            {
+                "cache": path,
+                "tokens": totals["tokens"],
+                "counted_tokens": cache.counted_tokens,
+                "bytes_per_token": totals["bytes_per_token"],
+                "mass_mean": summary["mass_mean"],
+            }
+        )
+    )
     return summary
 
 
@@ -93,7 +122,9 @@ def _plot(mass: np.ndarray, fp: dict, path: str) -> None:
     ax.set_xlabel(f"teacher probability mass in the top-{fp['k']}")
     ax.set_ylabel("counted tokens")
     ax.set_yscale("log")
-    ax.set_title(f"top-K coverage, {fp['teacher'].split('/')[-1]} (V={fp['vocab_size']})", fontsize=9)
+    ax.set_title(
+        f"top-K coverage, {fp['teacher'].split('/')[-1]} (V={fp['vocab_size']})", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

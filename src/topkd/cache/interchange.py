@@ -26,6 +26,7 @@ a masked row (format 3, as chat caches are), so a masked cache exported by topkd
 validated as the loss and the reader would (integer ids in range, K distinct, finite log-probs <= 0, top-K
 mass <= 1), and refused in one line naming the row, never coerced.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,11 @@ class ExportConfig:
     out: str = ""
 
 
-EXPORT_HELP = {"path": "cache directory to export", "format": "axolotl (an HF datasets Parquet dataset with "
-               "Axolotl's KD columns)", "out": "output directory (must not exist, or be empty)"}
+EXPORT_HELP = {
+    "path": "cache directory to export",
+    "format": "axolotl (an HF datasets Parquet dataset with Axolotl's KD columns)",
+    "out": "output directory (must not exist, or be empty)",
+}
 
 
 @dataclass
@@ -69,18 +73,23 @@ class ImportConfig:
     out: str = ""
 
 
-IMPORT_HELP = {"path": "an Axolotl KD dataset directory (Parquet files with target_token_ids, target_logprobs, "
-               "target_mask)", "tokenizer": "the teacher's tokenizer (a local HF directory): ids and its fingerprint",
-               "vocab_size": "the teacher's vocabulary (lm_head rows; 0: the tokenizer's length)",
-               "out": "cache directory to write (must not exist, or be empty)"}
+IMPORT_HELP = {
+    "path": "an Axolotl KD dataset directory (Parquet files with target_token_ids, target_logprobs, "
+    "target_mask)",
+    "tokenizer": "the teacher's tokenizer (a local HF directory): ids and its fingerprint",
+    "vocab_size": "the teacher's vocabulary (lm_head rows; 0: the tokenizer's length)",
+    "out": "cache directory to write (must not exist, or be empty)",
+}
 
 
 def check_out(out: str) -> None:
     if not out:
         raise ValueError("expected --out DIR, got none")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ValueError(f"--out {out!r}: expected a new or empty directory, got an existing one with files; choose "
-                         "another --out")
+        raise ValueError(
+            f"--out {out!r}: expected a new or empty directory, got an existing one with files; choose "
+            "another --out"
+        )
 
 
 def run_export(cfg: ExportConfig) -> str:
@@ -97,6 +106,8 @@ def run_import(cfg: ImportConfig) -> dict:
     require_ints(cfg, ("vocab_size",), 0)
     check_out(cfg.out)
     return import_axolotl(cfg.path, cfg.tokenizer, cfg.out, cfg.vocab_size)
+
+
 DATA_FILE = os.path.join("data", "train-00000-of-00001.parquet")
 SEQS_PER_SHARD = 64
 
@@ -117,12 +128,16 @@ def _require_datasets():
     try:
         import datasets
     except ImportError:
-        raise ValueError("expected the datasets package for the Axolotl format, got none installed; pip install "
-                         "'topkd[hf]' (datasets==5.2.0)") from None
+        raise ValueError(
+            "expected the datasets package for the Axolotl format, got none installed; pip install "
+            "'topkd[hf]' (datasets==5.2.0)"
+        ) from None
     return datasets
 
 
-AXOLOTL_VERSION = "0.18.0"  # the release whose trainer, loss and collators the convention above is read from
+AXOLOTL_VERSION = (
+    "0.18.0"  # the release whose trainer, loss and collators the convention above is read from
+)
 
 
 def axolotl_row(item: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -130,11 +145,19 @@ def axolotl_row(item: dict[str, torch.Tensor]) -> dict[str, list]:
     token j + 1, for hidden state j); labels[i] is token i where row i - 1 takes CE (Axolotl shifts labels)."""
     ids, lp, counted = item["teacher_ids"], item["teacher_logprobs"], item["kd_mask"]
     k, n = ids.shape[1], len(item["input_ids"])
-    labels = torch.where(torch.cat([torch.zeros(1, dtype=torch.bool), item["labels"][:-1] >= 0]),
-                         item["input_ids"], -100)
-    return {"input_ids": item["input_ids"].tolist(), "attention_mask": [1] * n, "labels": labels.tolist(),
-            "target_token_ids": ids.tolist(), "target_logprobs": lp.float().tolist(),
-            "target_mask": counted[:, None].expand(n, k).int().tolist()}
+    labels = torch.where(
+        torch.cat([torch.zeros(1, dtype=torch.bool), item["labels"][:-1] >= 0]),
+        item["input_ids"],
+        -100,
+    )
+    return {
+        "input_ids": item["input_ids"].tolist(),
+        "attention_mask": [1] * n,
+        "labels": labels.tolist(),
+        "target_token_ids": ids.tolist(),
+        "target_logprobs": lp.float().tolist(),
+        "target_mask": counted[:, None].expand(n, k).int().tolist(),
+    }
 
 
 def export_axolotl(cache_dir: str, out: str) -> str:
@@ -143,34 +166,54 @@ def export_axolotl(cache_dir: str, out: str) -> str:
     datasets = _require_datasets()
     cache = TopKCache(cache_dir)
     if cache.targets != "topk":
-        raise ValueError(f"cache {cache_dir}: expected top-K targets for the Axolotl format, got {cache.targets} "
-                         "targets (rows of variable K, which its collator cannot pair); export a top-K cache")
+        raise ValueError(
+            f"cache {cache_dir}: expected top-K targets for the Axolotl format, got {cache.targets} "
+            "targets (rows of variable K, which its collator cannot pair); export a top-K cache"
+        )
     problems = cache.verify()
     if problems:
-        raise mf.CacheError(f"cache {cache_dir}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if
-                            len(problems) > 1 else "") + "; rerun its build command to repair it, then export")
-    data = TopKDataset(cache, packing="none")  # one row per document piece: no attention across documents
+        raise mf.CacheError(
+            f"cache {cache_dir}: {problems[0]}"
+            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + "; rerun its build command to repair it, then export"
+        )
+    # one row per document piece: no attention across documents
+    data = TopKDataset(cache, packing="none")
     path = os.path.join(out, DATA_FILE)
     existed = os.path.isdir(out)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with _quiet(datasets):
-            rows = datasets.Dataset.from_generator(lambda: (axolotl_row(data[i]) for i in range(len(data))))
+            rows = datasets.Dataset.from_generator(
+                lambda: (axolotl_row(data[i]) for i in range(len(data)))
+            )
             rows.to_parquet(path + ".tmp")
         os.replace(path + ".tmp", path)
-        write_json_atomic(os.path.join(out, "topkd_export.json"),
-                          {"format": "axolotl", "cache": os.path.abspath(cache_dir), "fingerprint": cache.fingerprint,
-                           "rows": len(data), "lost": "the tail bucket and c_T (Axolotl renormalises over the top-K)"})
+        write_json_atomic(
+            os.path.join(out, "topkd_export.json"),
+            {
+                "format": "axolotl",
+                "cache": os.path.abspath(cache_dir),
+                "fingerprint": cache.fingerprint,
+                "rows": len(data),
+                "lost": "the tail bucket and c_T (Axolotl renormalises over the top-K)",
+            },
+        )
     except BaseException as e:
-        for name in os.listdir(out) if os.path.isdir(out) else []:  # check_out: it held nothing of anyone's
+        # check_out: it held nothing of anyone's
+        for name in os.listdir(out) if os.path.isdir(out) else []:
             shutil.rmtree(os.path.join(out, name), ignore_errors=True)
         if not existed:
             shutil.rmtree(out, ignore_errors=True)
-        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None  # datasets wraps the generator's
+        # datasets wraps the generator's
+        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None
         if cause is not None:
             raise cause from None
         raise
-    print(f"cache export: wrote {len(data)} rows ({cache.tokens} tokens, K={cache.k}) to {path}", flush=True)
+    print(
+        f"cache export: wrote {len(data)} rows ({cache.tokens} tokens, K={cache.k}) to {path}",
+        flush=True,
+    )
     return path
 
 
@@ -184,23 +227,39 @@ def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
     inputs = _numbers(row, "input_ids", where, 1)
     ids, lp, mask = (_numbers(row, name, where, 2) for name in IMPORT_COLUMNS[1:])
     if not lp.shape == mask.shape == ids.shape or len(inputs) != len(ids) or len(ids) < 1:
-        raise ValueError(f"{where}: expected input_ids [L] and target_token_ids, target_logprobs, target_mask [L][K] "
-                         f"of one length L >= 1, got {len(inputs)}, {ids.shape}, {lp.shape}, {mask.shape}; every "
-                         "position needs its K targets (Axolotl pads with mask 0)")
+        raise ValueError(
+            f"{where}: expected input_ids [L] and target_token_ids, target_logprobs, target_mask [L][K] "
+            f"of one length L >= 1, got {len(inputs)}, {ids.shape}, {lp.shape}, {mask.shape}; every "
+            "position needs its K targets (Axolotl pads with mask 0)"
+        )
     for name, values in (("input_ids", inputs), ("target_token_ids", ids)):
         if not (np.isfinite(values).all() and (values == np.round(values)).all()):
-            raise ValueError(f"{where} {name}: expected integer token ids, got fractional or null values; the "
-                             "dataset was not written as token ids (cast them, or re-export it)")
+            raise ValueError(
+                f"{where} {name}: expected integer token ids, got fractional or null values; the "
+                "dataset was not written as token ids (cast them, or re-export it)"
+            )
     if inputs.min() < 0 or inputs.max() >= vocab:
-        raise ValueError(f"{where} input_ids: expected ids in [0, {vocab}), got range [{int(inputs.min())}, "
-                         f"{int(inputs.max())}]; pass the teacher's tokenizer, or --vocab-size its lm_head rows")
+        raise ValueError(
+            f"{where} input_ids: expected ids in [0, {vocab}), got range [{int(inputs.min())}, "
+            f"{int(inputs.max())}]; pass the teacher's tokenizer, or --vocab-size its lm_head rows"
+        )
     ids, mask = ids.astype(np.int64), mask != 0
     counted = mask.all(1)
     if (mask.any(1) & ~counted).any():
-        raise ValueError(f"{where} position {int(np.flatnonzero(mask.any(1) & ~counted)[0])}: expected a "
-                         "target_mask of all 1 or all 0 across the K entries, got a mix; topkd rows hold K entries")
+        raise ValueError(
+            f"{where} position {int(np.flatnonzero(mask.any(1) & ~counted)[0])}: expected a "
+            "target_mask of all 1 or all 0 across the K entries, got a mix; topkd rows hold K entries"
+        )
     try:  # exactly the loss's own value checks, on the rows that count
-        check_values(torch.from_numpy(ids[counted]), torch.from_numpy(lp[counted]), None, None, vocab, "renorm", 1.0)
+        check_values(
+            torch.from_numpy(ids[counted]),
+            torch.from_numpy(lp[counted]),
+            None,
+            None,
+            vocab,
+            "renorm",
+            1.0,
+        )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     ids, lp = _placeholder_rows(ids, lp, ~counted, vocab)
@@ -211,10 +270,17 @@ def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
     with np.errstate(divide="ignore"):
         log_tail = np.where(tail > 0, np.log(np.maximum(tail, 1e-30)), -np.inf)
     n = len(ids)
-    return TeacherSequence(input_ids=inputs.astype(np.int64), ids=ids, logprobs=lp.astype(np.float32),
-                           log_mass=log_mass.astype(np.float32), log_tail=log_tail.astype(np.float32),
-                           logz=np.zeros((n, 0), np.float32), doc_starts=np.zeros(1, np.int64), source_index=index,
-                           row_mask=None if counted.all() else counted)
+    return TeacherSequence(
+        input_ids=inputs.astype(np.int64),
+        ids=ids,
+        logprobs=lp.astype(np.float32),
+        log_mass=log_mass.astype(np.float32),
+        log_tail=log_tail.astype(np.float32),
+        logz=np.zeros((n, 0), np.float32),
+        doc_starts=np.zeros(1, np.int64),
+        source_index=index,
+        row_mask=None if counted.all() else counted,
+    )
 
 
 def check_alignment(seqs: list[TeacherSequence]) -> None:
@@ -230,10 +296,12 @@ def check_alignment(seqs: list[TeacherSequence]) -> None:
         hits["rows"] += int(counted.sum())
     rows = max(hits["rows"], 1)
     if hits["current"] > 0.2 * rows and hits["current"] > 2 * hits["next"]:
-        raise ValueError(f"import: expected target row j to be the teacher's distribution of token j + 1 (Axolotl "
-                         f"{AXOLOTL_VERSION}'s trainer pairs it with hidden state j), got rows whose top-1 is token j "
-                         f"itself in {hits['current'] / rows:.0%} of them (token j + 1: {hits['next'] / rows:.0%}): "
-                         "written one position shifted (front-padded); shift it back (row j <- row j + 1)")
+        raise ValueError(
+            f"import: expected target row j to be the teacher's distribution of token j + 1 (Axolotl "
+            f"{AXOLOTL_VERSION}'s trainer pairs it with hidden state j), got rows whose top-1 is token j "
+            f"itself in {hits['current'] / rows:.0%} of them (token j + 1: {hits['next'] / rows:.0%}): "
+            "written one position shifted (front-padded); shift it back (row j <- row j + 1)"
+        )
 
 
 def _numbers(row: dict, name: str, where: str, dims: int) -> np.ndarray:
@@ -244,8 +312,10 @@ def _numbers(row: dict, name: str, where: str, dims: int) -> np.ndarray:
         array = None
     if value is None or array is None or array.ndim != dims:
         shape = "[L]" if dims == 1 else "[L][K] (K entries at every position)"
-        raise ValueError(f"{where} {name}: expected a {shape} list of numbers, got "
-                         f"{'null' if value is None else 'ragged or non-numeric lists'}; repair or drop that row")
+        raise ValueError(
+            f"{where} {name}: expected a {shape} list of numbers, got "
+            f"{'null' if value is None else 'ragged or non-numeric lists'}; repair or drop that row"
+        )
     return array
 
 
@@ -254,8 +324,14 @@ def _placeholder_rows(ids: np.ndarray, lp: np.ndarray, rows: np.ndarray, vocab: 
     row, else get a uniform stand-in (ids 0..K-1): never read by the loss, but every stored row must decode."""
     k = ids.shape[1]
     s = np.sort(ids, axis=1)
-    valid = (ids >= 0).all(1) & (ids < vocab).all(1) & (s[:, 1:] != s[:, :-1]).all(1) & np.isfinite(lp).all(1) \
-        & (lp <= 0).all(1) & (np.exp(np.minimum(lp, 0)).sum(1) <= 1 + 1e-2)
+    valid = (
+        (ids >= 0).all(1)
+        & (ids < vocab).all(1)
+        & (s[:, 1:] != s[:, :-1]).all(1)
+        & np.isfinite(lp).all(1)
+        & (lp <= 0).all(1)
+        & (np.exp(np.minimum(lp, 0)).sum(1) <= 1 + 1e-2)
+    )
     stand_in = rows & ~valid
     ids, lp = ids.copy(), lp.copy()
     ids[stand_in], lp[stand_in] = np.arange(k), -np.log(vocab)
@@ -269,21 +345,28 @@ def _read_import_rows(dataset_dir: str, files: list[str]):
 
     try:
         if sum(pyarrow.parquet.ParquetFile(f).metadata.num_rows for f in files) == 0:
-            raise ValueError(f"import: expected rows, got 0 rows in {len(files)} Parquet file(s) under {dataset_dir}; "
-                             "export a dataset with rows")
+            raise ValueError(
+                f"import: expected rows, got 0 rows in {len(files)} Parquet file(s) under {dataset_dir}; "
+                "export a dataset with rows"
+            )
         with _quiet(datasets):
             rows = datasets.Dataset.from_parquet(files)
-    except Exception as e:  # datasets wraps every reader failure (DatasetGenerationError, ArrowInvalid, ...)
+    # datasets wraps every reader failure (DatasetGenerationError, ArrowInvalid, ...)
+    except Exception as e:
         if str(e).startswith("import: expected rows"):
             raise
         cause = e.__cause__ or e
-        raise ValueError(f"import: expected readable Parquet files under {dataset_dir}, got {type(cause).__name__}: "
-                         f"{str(cause).splitlines()[0][:200] if str(cause) else ''}; re-export the dataset") from None
+        raise ValueError(
+            f"import: expected readable Parquet files under {dataset_dir}, got {type(cause).__name__}: "
+            f"{str(cause).splitlines()[0][:200] if str(cause) else ''}; re-export the dataset"
+        ) from None
     missing = [c for c in IMPORT_COLUMNS if c not in rows.column_names]
     if missing or len(rows) == 0:
-        raise ValueError(f"import: expected rows with the columns {list(IMPORT_COLUMNS)}, got {len(rows)} rows with "
-                         f"{rows.column_names}; pass an Axolotl KD dataset (what `topkd cache export --format "
-                         "axolotl` or Axolotl's KD preprocessing writes)")
+        raise ValueError(
+            f"import: expected rows with the columns {list(IMPORT_COLUMNS)}, got {len(rows)} rows with "
+            f"{rows.column_names}; pass an Axolotl KD dataset (what `topkd cache export --format "
+            "axolotl` or Axolotl's KD preprocessing writes)"
+        )
     return rows
 
 
@@ -293,42 +376,83 @@ def import_axolotl(dataset_dir: str, tokenizer_dir: str, out: str, vocab_size: i
 
     files = sorted(glob.glob(os.path.join(dataset_dir, "**", "*.parquet"), recursive=True))
     if not files:
-        raise ValueError(f"import: expected Parquet files under {dataset_dir}, got none; pass the directory that "
-                         "`topkd cache export --format axolotl` (or Axolotl's KD preprocessing) wrote")
+        raise ValueError(
+            f"import: expected Parquet files under {dataset_dir}, got none; pass the directory that "
+            "`topkd cache export --format axolotl` (or Axolotl's KD preprocessing) wrote"
+        )
     rows = _read_import_rows(dataset_dir, files)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     vocab = vocab_size or len(tokenizer)
     seqs = [imported_sequence(rows[i], i, vocab) for i in range(len(rows))]
     if len({s.ids.shape[1] for s in seqs}) > 1:
-        raise ValueError(f"import: expected one K in every row, got {sorted({s.ids.shape[1] for s in seqs})}; "
-                         "re-export the dataset with one top-K")
+        raise ValueError(
+            f"import: expected one K in every row, got {sorted({s.ids.shape[1] for s in seqs})}; "
+            "re-export the dataset with one top-K"
+        )
     check_alignment(seqs)
     if not sum(len(s) if s.row_mask is None else int(s.row_mask.sum()) for s in seqs):
-        raise ValueError(f"import: expected some counted targets (target_mask 1), got none in {len(rows)} rows; "
-                         "nothing would train")
-    fp = fingerprint(source=f"imported:{os.path.abspath(dataset_dir)}", weights_sha256="unknown",
-                     config_sha256="unknown", tokenizer=tokenizer, dtype="unknown", vocab=vocab,
-                     k=int(seqs[0].ids.shape[1]), temperatures=(), engine="import axolotl")
-    build = {"data": [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)}
-                      for p in files],
-             "seq_len": max(2, max(len(s) for s in seqs)), "codec": DEFAULT_CODEC, "separator": None,
-             "tail": "unknown: taken as 1 - top-K mass (imported from an Axolotl KD dataset)"}
+        raise ValueError(
+            f"import: expected some counted targets (target_mask 1), got none in {len(rows)} rows; "
+            "nothing would train"
+        )
+    fp = fingerprint(
+        source=f"imported:{os.path.abspath(dataset_dir)}",
+        weights_sha256="unknown",
+        config_sha256="unknown",
+        tokenizer=tokenizer,
+        dtype="unknown",
+        vocab=vocab,
+        k=int(seqs[0].ids.shape[1]),
+        temperatures=(),
+        engine="import axolotl",
+    )
+    build = {
+        "data": [
+            {"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)}
+            for p in files
+        ],
+        "seq_len": max(2, max(len(s) for s in seqs)),
+        "codec": DEFAULT_CODEC,
+        "separator": None,
+        "tail": "unknown: taken as 1 - top-K mass (imported from an Axolotl KD dataset)",
+    }
     return _write_imported(seqs, out, fp, build, mf.build_hash(fp, build), tokenizer)
 
 
-def _write_imported(seqs: list[TeacherSequence], out: str, fp: dict, build: dict, build_hash: str,
-                    tokenizer) -> dict:
+def _write_imported(
+    seqs: list[TeacherSequence], out: str, fp: dict, build: dict, build_hash: str, tokenizer
+) -> dict:
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
-    variable_k = any(bool(np.isneginf(s.logprobs).any()) for s in seqs)  # rows Axolotl padded (-inf): format 5
+    # rows Axolotl padded (-inf): format 5
+    variable_k = any(bool(np.isneginf(s.logprobs).any()) for s in seqs)
     sidecars = []
     for j, first in enumerate(range(0, len(seqs), SEQS_PER_SHARD)):
-        group = seqs[first:first + SEQS_PER_SHARD]
-        identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
-        arrays, meta = encode_shard(group, vocab=fp["vocab_size"], identity=identity, variable_k=variable_k)
+        group = seqs[first : first + SEQS_PER_SHARD]
+        identity = {
+            "build_hash": build_hash,
+            "shard": j,
+            "sequences": f"{first},{first + len(group)}",
+        }
+        arrays, meta = encode_shard(
+            group, vocab=fp["vocab_size"], identity=identity, variable_k=variable_k
+        )
         nbytes = write_shard(mf.shard_path(out, j), arrays, meta)
-        sidecars.append(mf.write_sidecar(out, j, nbytes, first, len(group), sum(len(s) for s in group), build_hash,
-                                         **shard_facts(group, meta)))
+        sidecars.append(
+            mf.write_sidecar(
+                out,
+                j,
+                nbytes,
+                first,
+                len(group),
+                sum(len(s) for s in group),
+                build_hash,
+                **shard_facts(group, meta),
+            )
+        )
     manifest = mf.write_manifest(out, fp, build, sidecars, save_teacher_tokenizer(out, tokenizer))
-    print(f"cache import: wrote {len(seqs)} sequences, {manifest['totals']['tokens']} tokens (K={fp['k']}, tail "
-          f"unknown: 1 - top-K mass) to {out}", flush=True)
+    print(
+        f"cache import: wrote {len(seqs)} sequences, {manifest['totals']['tokens']} tokens (K={fp['k']}, tail "
+        f"unknown: 1 - top-K mass) to {out}",
+        flush=True,
+    )
     return manifest

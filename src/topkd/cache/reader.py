@@ -8,6 +8,7 @@ Opening validates the manifest and every shard's size and header (cheap); `verif
 every checksum. Shards are memory-mapped lazily and re-opened after a fork, so the cache can be
 handed to DataLoader workers as it is.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -24,8 +25,19 @@ from topkd.cache.shard import ShardReader, expected_tensors, read_row_counts
 from topkd.data import dataset
 
 OPEN_SHARDS = 64
-ROW_TENSORS = {"input_ids", "log_mass", "log_tail", "logz", "log_mass_t", "lp_scale", "lp_codes", "id_rem",
-               "ids_packed", "row_mask"}  # one row per token
+# one row per token
+ROW_TENSORS = {
+    "input_ids",
+    "log_mass",
+    "log_tail",
+    "logz",
+    "log_mass_t",
+    "lp_scale",
+    "lp_codes",
+    "id_rem",
+    "ids_packed",
+    "row_mask",
+}
 
 
 class TopKCache:
@@ -46,8 +58,10 @@ class TopKCache:
         for j, side in enumerate(shards):
             problem = mf.check_shard(path, side, checksum=False)
             if problem:
-                raise mf.CacheError(f"cache {path}: {problem}; run `topkd cache verify {path}`, then rebuild "
-                                    "(rerunning the build command redoes only the bad shards once they are deleted)")
+                raise mf.CacheError(
+                    f"cache {path}: {problem}; run `topkd cache verify {path}`, then rebuild "
+                    "(rerunning the build command redoes only the bad shards once they are deleted)"
+                )
             self._check_header(j, side)
 
     @property
@@ -71,8 +85,10 @@ class TopKCache:
         teacher = load_teacher(self.teacher_dir, str(self.fingerprint.get("dtype", "float32")))
         problem = identity_problem(teacher, self.fingerprint)
         if problem:
-            raise mf.CacheError(f"cache {self.path}: the teacher at {self.teacher_dir} is not the one that built it "
-                                f"({problem}); restore that checkpoint there, or rebuild the cache from this teacher")
+            raise mf.CacheError(
+                f"cache {self.path}: the teacher at {self.teacher_dir} is not the one that built it "
+                f"({problem}); restore that checkpoint there, or rebuild the cache from this teacher"
+            )
         return teacher
 
     def __len__(self) -> int:
@@ -87,7 +103,9 @@ class TopKCache:
         if j in self._readers:
             self._readers.move_to_end(j)
         else:
-            self._readers[j] = ShardReader(os.path.join(self.path, self.manifest["shards"][j]["file"]))
+            self._readers[j] = ShardReader(
+                os.path.join(self.path, self.manifest["shards"][j]["file"])
+            )
             while len(self._readers) > OPEN_SHARDS:
                 self._readers.popitem(last=False)
         return self._readers[j]
@@ -96,29 +114,45 @@ class TopKCache:
         try:
             shard = self.shard(j)
         except (SafetensorError, OSError, ValueError) as e:
-            raise mf.CacheError(f"cache {self.path}: {side['file']} has an unreadable header ({e}); the shard is "
-                                "corrupt: delete it and its .json sidecar, and rerun the build command")
+            raise mf.CacheError(
+                f"cache {self.path}: {side['file']} has an unreadable header ({e}); the shard is "
+                "corrupt: delete it and its .json sidecar, and rerun the build command"
+            )
         problem = mf.identity_problem(shard.meta, side, self.manifest["build_hash"])
         if problem or shard.temperatures != [float(t) for t in self.temperatures]:
-            raise mf.CacheError(f"cache {self.path}: {problem or side['file'] + ': stored temperatures differ'}; "
-                                "it does not belong here: delete it and its .json sidecar and rerun the build "
-                                "command to redo it")
+            raise mf.CacheError(
+                f"cache {self.path}: {problem or side['file'] + ': stored temperatures differ'}; "
+                "it does not belong here: delete it and its .json sidecar and rerun the build "
+                "command to redo it"
+            )
         expected = expected_tensors(shard.meta, shard.id_codec.tensors)
         n_seq = side["sequences"][1] - side["sequences"][0]
-        if shard.names != expected or len(shard) != n_seq or shard.k != self.k \
-                or int(shard.meta.get("vocab", -1)) != self.vocab_size:
-            raise mf.CacheError(f"cache {self.path}: {side['file']} does not match the manifest (tensors "
-                                f"{sorted(shard.names)}, {len(shard)} sequences, K={shard.k}; expected "
-                                f"{sorted(expected)}, {n_seq} sequences, K={self.k}); rebuild it")
+        if (
+            shard.names != expected
+            or len(shard) != n_seq
+            or shard.k != self.k
+            or int(shard.meta.get("vocab", -1)) != self.vocab_size
+        ):
+            raise mf.CacheError(
+                f"cache {self.path}: {side['file']} does not match the manifest (tensors "
+                f"{sorted(shard.names)}, {len(shard)} sequences, K={shard.k}; expected "
+                f"{sorted(expected)}, {n_seq} sequences, K={self.k}); rebuild it"
+            )
         rows = {name: shard.shape(name)[0] for name in ROW_TENSORS & shard.names}
-        if int(shard.seq_rows[-1]) != side["tokens"] or any(r != side["tokens"] for r in rows.values()):
-            raise mf.CacheError(f"cache {self.path}: {side['file']} rows {rows} (seq_rows end "
-                                f"{int(shard.seq_rows[-1])}) do not match the sidecar's {side['tokens']} tokens; "
-                                "rebuild it")
+        if int(shard.seq_rows[-1]) != side["tokens"] or any(
+            r != side["tokens"] for r in rows.values()
+        ):
+            raise mf.CacheError(
+                f"cache {self.path}: {side['file']} rows {rows} (seq_rows end "
+                f"{int(shard.seq_rows[-1])}) do not match the sidecar's {side['tokens']} tokens; "
+                "rebuild it"
+            )
 
     def locate(self, i: int) -> tuple[int, int]:
         if not -self._len <= i < self._len:
-            raise IndexError(f"sequence index {i} out of range for a cache of {self._len} sequences")
+            raise IndexError(
+                f"sequence index {i} out of range for a cache of {self._len} sequences"
+            )
         i %= self._len
         j = bisect.bisect_right(self._first, i) - 1
         return j, i - self._first[j]
@@ -126,18 +160,28 @@ class TopKCache:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | int]:
         j, local = self.locate(i)
         if self.verify_reads and (os.getpid(), j) not in self._verified:
-            problem = mf.check_shard(self.path, self.manifest["shards"][j]) or self._counted_problem(j)
+            problem = mf.check_shard(
+                self.path, self.manifest["shards"][j]
+            ) or self._counted_problem(j)
             if problem:
-                raise mf.CacheError(f"cache {self.path}: {problem}; delete that shard and its .json sidecar and "
-                                    "rerun the build command to redo it")
+                raise mf.CacheError(
+                    f"cache {self.path}: {problem}; delete that shard and its .json sidecar and "
+                    "rerun the build command to redo it"
+                )
             self._verified.add((os.getpid(), j))
         seq = self.shard(j).sequence(local)
-        return {"input_ids": torch.from_numpy(seq.input_ids), "teacher_ids": torch.from_numpy(seq.ids),
-                "teacher_logprobs": torch.from_numpy(seq.logprobs), "log_tail": torch.from_numpy(seq.log_tail),
-                "log_mass": torch.from_numpy(seq.log_mass), "logz": torch.from_numpy(seq.logz),
-                "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)), "source_index": seq.source_index,
-                "token_offset": seq.token_offset,
-                **({} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)})}
+        return {
+            "input_ids": torch.from_numpy(seq.input_ids),
+            "teacher_ids": torch.from_numpy(seq.ids),
+            "teacher_logprobs": torch.from_numpy(seq.logprobs),
+            "log_tail": torch.from_numpy(seq.log_tail),
+            "log_mass": torch.from_numpy(seq.log_mass),
+            "logz": torch.from_numpy(seq.logz),
+            "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)),
+            "source_index": seq.source_index,
+            "token_offset": seq.token_offset,
+            **({} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}),
+        }
 
     def __getstate__(self):  # pickled into DataLoader workers: shard handles are re-opened there
         state = dict(self.__dict__)
@@ -150,8 +194,10 @@ class TopKCache:
         from tqdm import tqdm
 
         shards = self.manifest["shards"]
-        problems = [mf.check_shard(self.path, s) or self._counted_problem(j) for j, s in
-                    enumerate(tqdm(shards, desc="verify", unit="shard", disable=not progress))]
+        problems = [
+            mf.check_shard(self.path, s) or self._counted_problem(j)
+            for j, s in enumerate(tqdm(shards, desc="verify", unit="shard", disable=not progress))
+        ]
         return [p for p in problems if p] + tokenizer_problems(self.path, self.manifest)
 
     def _counted_problem(self, j: int) -> str | None:
@@ -200,9 +246,19 @@ class TopKCache:
 
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
         """Refuse a student whose head cannot hold the cache's ids or whose tokenizer gives other ids (compat)."""
-        teacher_tokenizer = None if tokenizer is None else load_teacher_tokenizer(self.path, self.manifest)
-        check_student_fits(self.vocab_size, self.fingerprint["tokenizer_sha256"], vocab_size, tokenizer,
-                           teacher_tokenizer, self.max_id)
+        teacher_tokenizer = (
+            None if tokenizer is None else load_teacher_tokenizer(self.path, self.manifest)
+        )
+        check_student_fits(
+            self.vocab_size,
+            self.fingerprint["tokenizer_sha256"],
+            vocab_size,
+            tokenizer,
+            teacher_tokenizer,
+            self.max_id,
+        )
 
 
-dataset.PATH_OPENER = TopKCache  # TopKDataset("runs/cache") opens the path as a cache (topkd/data/dataset.py)
+dataset.PATH_OPENER = (
+    TopKCache  # TopKDataset("runs/cache") opens the path as a cache (topkd/data/dataset.py)
+)

@@ -8,6 +8,7 @@
 A finished cache whose every shard verifies is left as it is; a damaged manifest, stored tokenizer, or a
 deleted, truncated, corrupt or swapped shard is removed with the manifest, so the build redoes just those.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,10 @@ def finished(root: str, build_hash: str) -> dict | None:
 
 def _refuse_another_build(manifest: dict, root: str, build_hash: str) -> None:
     if manifest["build_hash"] != build_hash:
-        raise mf.CacheError(f"{root} holds a finished cache from a different build (teacher, data or settings "
-                            "differ); use a new --out directory, or delete it to rebuild")
+        raise mf.CacheError(
+            f"{root} holds a finished cache from a different build (teacher, data or settings "
+            "differ); use a new --out directory, or delete it to rebuild"
+        )
 
 
 def check_or_repair(root: str, build_hash: str) -> None:
@@ -64,29 +67,45 @@ def check_or_repair(root: str, build_hash: str) -> None:
     try:
         manifest = mf.load_manifest(root)
     except mf.CacheError as e:
-        print(f"cache build: {e}; repairing: the manifest is rewritten from the verified shards", flush=True)
+        print(
+            f"cache build: {e}; repairing: the manifest is rewritten from the verified shards",
+            flush=True,
+        )
         os.remove(path)
         return
     _refuse_another_build(manifest, root, build_hash)
     damaged_tokenizer = tokenizer_problems(root, manifest)
     if damaged_tokenizer:
-        print(f"cache build: {damaged_tokenizer[0]}; repairing: the tokenizer and the manifest are rewritten",
-              flush=True)
+        print(
+            f"cache build: {damaged_tokenizer[0]}; repairing: the tokenizer and the manifest are rewritten",
+            flush=True,
+        )
         os.remove(path)
-    bad = [j for j in range(len(manifest["shards"])) if mf.done_shard(root, j, build_hash, foreign="redo") is None]
+    bad = [
+        j
+        for j in range(len(manifest["shards"]))
+        if mf.done_shard(root, j, build_hash, foreign="redo") is None
+    ]
     if not bad:
         return
-    print(f"cache build: {len(bad)} shard(s) of {root} are missing or damaged ({', '.join(map(str, bad[:10]))}); "
-          "repairing: redoing them", flush=True)
+    print(
+        f"cache build: {len(bad)} shard(s) of {root} are missing or damaged ({', '.join(map(str, bad[:10]))}); "
+        "repairing: redoing them",
+        flush=True,
+    )
     for j in bad:
         for stale in (mf.shard_path(root, j), mf.sidecar_path(root, j)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(stale)
     with contextlib.suppress(FileNotFoundError):  # already gone when the tokenizer was damaged too
         os.remove(path)
+
+
 def build_lock(out: str, who: str):
     """One build process per (part, rank) of an --out: a second identical build is refused at once, never
     left to delete or overwrite the first one's files."""
-    return exclusive_lock(os.path.join(out, f".build-{who}.lock"),
-                          f"{out}: another build is writing there (process {{holder}} holds {{path}}); wait for it "
-                          "to finish, or build into another --out")
+    return exclusive_lock(
+        os.path.join(out, f".build-{who}.lock"),
+        f"{out}: another build is writing there (process {{holder}} holds {{path}}); wait for it "
+        "to finish, or build into another --out",
+    )

@@ -11,6 +11,7 @@ unbiased estimate of the full-vocabulary KD gradient (Anshumann et al., "Sparse 
 where top-K targets are biased towards the head. The draws come from one seeded generator per shard
 (sampling_seed), consumed in the shard's own order, so a rerun or a resumed build writes the same bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,9 @@ HEAD_CHUNK_BYTES = 64 * 2**20
 
 def sampling_seed(build_hash: str, shard: int) -> int:
     """The seed of shard j's generator: fixed by the build (its hash) and the shard, nothing else."""
-    return int.from_bytes(hashlib.sha256(f"{build_hash}:{shard}".encode()).digest()[:8], "little") >> 1
+    return (
+        int.from_bytes(hashlib.sha256(f"{build_hash}:{shard}".encode()).digest()[:8], "little") >> 1
+    )
 
 
 def distinct_counts(draws: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -42,7 +45,9 @@ def distinct_counts(draws: Tensor, n: int) -> tuple[Tensor, Tensor]:
     ids = torch.zeros_like(ranked_ids).scatter_(1, group, ranked_ids)  # repeats write the same id
     order = torch.sort(-counts, dim=1, stable=True).indices  # ties keep ascending id order
     counts, ids = counts.gather(1, order), ids.gather(1, order)
-    logprobs = torch.where(counts > 0, (counts.double() / n).log(), torch.tensor(-np.inf, dtype=torch.float64))
+    logprobs = torch.where(
+        counts > 0, (counts.double() / n).log(), torch.tensor(-np.inf, dtype=torch.float64)
+    )
     ids = torch.where(counts > 0, ids, ids[:, :1])
     return ids, logprobs.float()
 
@@ -60,13 +65,25 @@ class Sampler:
     def width(self) -> int:
         return self.head + self.samples
 
-    def rows(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None = None) -> EngineRows:
-        return head_sampled(hidden, weight, bias, self.samples, self.generator, softcap, head=self.head)
+    def rows(
+        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None = None
+    ) -> EngineRows:
+        return head_sampled(
+            hidden, weight, bias, self.samples, self.generator, softcap, head=self.head
+        )
 
 
 @torch.inference_mode()
-def head_sampled(hidden: Tensor, weight: Tensor, bias: Tensor | None, n: int, generator: torch.Generator,
-                 softcap: float | None = None, chunk_bytes: int = HEAD_CHUNK_BYTES, head: int = 0) -> EngineRows:
+def head_sampled(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    n: int,
+    generator: torch.Generator,
+    softcap: float | None = None,
+    chunk_bytes: int = HEAD_CHUNK_BYTES,
+    head: int = 0,
+) -> EngineRows:
     """N draws per row of softmax(hidden @ weight.T + bias) over the full vocabulary (fp32, row chunks: [N, V]
     never exists); rows as the cache build takes them (EngineRows), no tail.
 
@@ -75,25 +92,39 @@ def head_sampled(hidden: Tensor, weight: Tensor, bias: Tensor | None, n: int, ge
     parts = []
     for _, z in logit_chunks(hidden, weight, bias, softcap, chunk_bytes):
         probs = torch.softmax(z, dim=1)
-        parts.append(_sampled_rows(probs, n, generator, head) if head else distinct_counts(
-            torch.multinomial(probs, n, replacement=True, generator=generator), n))
+        parts.append(
+            _sampled_rows(probs, n, generator, head)
+            if head
+            else distinct_counts(
+                torch.multinomial(probs, n, replacement=True, generator=generator), n
+            )
+        )
     ids = torch.cat([p[0] for p in parts]).to(torch.int32).cpu().numpy()
     logprobs = torch.cat([p[1] for p in parts]).cpu().numpy()
     rows = len(ids)
     log_mass = np.logaddexp.reduce(logprobs.astype(np.float64), axis=1) if head else np.zeros(rows)
-    return EngineRows(ids=ids, logprobs=logprobs, log_mass=log_mass.astype(np.float32),
-                      log_tail=np.full(rows, -np.inf, np.float32), logz=np.zeros((rows, 0), np.float32),
-                      log_mass_t=np.zeros((rows, 0), np.float32))
+    return EngineRows(
+        ids=ids,
+        logprobs=logprobs,
+        log_mass=log_mass.astype(np.float32),
+        log_tail=np.full(rows, -np.inf, np.float32),
+        logz=np.zeros((rows, 0), np.float32),
+        log_mass_t=np.zeros((rows, 0), np.float32),
+    )
 
 
-def _sampled_rows(probs: Tensor, n: int, generator: torch.Generator, head: int) -> tuple[Tensor, Tensor]:
+def _sampled_rows(
+    probs: Tensor, n: int, generator: torch.Generator, head: int
+) -> tuple[Tensor, Tensor]:
     """The hybrid's rows: the exact head, then the draws from the rest (no id twice: the head has weight 0 there),
     ranked by log-prob; a row whose rest has no mass (fp32) keeps its head alone, the draws padding."""
     top = probs.topk(head, dim=1)
     rest = probs.scatter(1, top.indices, 0.0)
     rest_mass = rest.sum(dim=1, dtype=torch.float64)
     rest[rest_mass == 0, 0] = 1.0  # something to draw from; those draws get log-prob -inf below
-    ids, logprobs = distinct_counts(torch.multinomial(rest, n, replacement=True, generator=generator), n)
+    ids, logprobs = distinct_counts(
+        torch.multinomial(rest, n, replacement=True, generator=generator), n
+    )
     logprobs = (logprobs.double() + rest_mass.log()[:, None]).float()
     ids = torch.cat([top.indices, ids], dim=1)
     logprobs = torch.cat([top.values.log(), logprobs], dim=1)

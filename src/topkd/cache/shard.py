@@ -6,6 +6,7 @@
 
 docs/cache-format.md describes every tensor; tests/cache/test_golden.py pins the bytes.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,23 @@ from safetensors.numpy import save
 from topkd.cache import codec, shard_codecs
 from topkd.files import write_atomic
 
-FORMAT_VERSION = 3  # 3: a per-row loss mask (row_mask, chat data); 2: per-token compander scale, exact tempered
-UNMASKED_VERSION = 2  # head mass, shard identity in meta_json. A shard without row_mask is written as version 2,
-VARIABLE_K_VERSION = 4  # byte for byte as before. 4: rows of variable K (sampled targets): version 3 plus padding
-RAGGED_VERSION = 5  # entries (log-prob code 255, decoded -inf). 5: rows of variable K stored ragged (rice-zstd:
-READABLE_VERSIONS = (2, 3, 4, 5)  # cache/ragged.py), sampled targets as draw counts; earlier versions still open
+FORMAT_VERSION = (
+    3  # 3: a per-row loss mask (row_mask, chat data); 2: per-token compander scale, exact tempered
+)
+UNMASKED_VERSION = (
+    2  # head mass, shard identity in meta_json. A shard without row_mask is written as version 2,
+)
+VARIABLE_K_VERSION = (
+    4  # byte for byte as before. 4: rows of variable K (sampled targets): version 3 plus padding
+)
+RAGGED_VERSION = (
+    5  # entries (log-prob code 255, decoded -inf). 5: rows of variable K stored ragged (rice-zstd:
+)
+# cache/ragged.py), sampled targets as draw counts; earlier versions still open
+READABLE_VERSIONS = (2, 3, 4, 5)
 BASE_TENSORS = frozenset({"input_ids", "seq_rows", "seq_source", "seq_token_offset", "doc_starts"})
-SCALAR_TENSORS = frozenset({"log_mass", "log_tail", "logz", "log_mass_t"})  # implied by draw counts (version 5)
+# implied by draw counts (version 5)
+SCALAR_TENSORS = frozenset({"log_mass", "log_tail", "logz", "log_mass_t"})
 CODECS = tuple(shard_codecs.CODECS)  # names
 DEFAULT_CODEC = shard_codecs.DEFAULT_CODEC
 
@@ -43,16 +54,27 @@ class TeacherSequence:
     doc_starts: np.ndarray  # positions in [0, L) where a document begins
     source_index: int = 0  # index of the sequence in the source data
     token_offset: int = 0  # offset of its first token in the source token stream
-    log_mass_t: np.ndarray | None = None  # [L, n_temperatures] float32, log sum_k exp(a_k / T - c_T), exact
-    row_mask: np.ndarray | None = None  # [L] bool: row t counts for KD and CE (chat targets); None: every row
+    log_mass_t: np.ndarray | None = (
+        None  # [L, n_temperatures] float32, log sum_k exp(a_k / T - c_T), exact
+    )
+    row_mask: np.ndarray | None = (
+        None  # [L] bool: row t counts for KD and CE (chat targets); None: every row
+    )
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = DEFAULT_CODEC,
-                 identity: dict | None = None, temperatures: tuple[float, ...] = (),
-                 variable_k: bool = False, samples: int | None = None) -> tuple[dict, dict]:
+def encode_shard(
+    seqs: list[TeacherSequence],
+    *,
+    vocab: int,
+    codec_name: str = DEFAULT_CODEC,
+    identity: dict | None = None,
+    temperatures: tuple[float, ...] = (),
+    variable_k: bool = False,
+    samples: int | None = None,
+) -> tuple[dict, dict]:
     """Sequences -> (tensor name -> numpy array, string metadata) for one shard.
 
     identity (build_hash, shard, sequences) goes into the checksummed bytes, so a shard moved in from
@@ -67,13 +89,24 @@ def encode_shard(seqs: list[TeacherSequence], *, vocab: int, codec_name: str = D
     ragged = variable_k and id_codec.stores_ragged
     masked = any(s.row_mask is not None for s in seqs) or (variable_k and not ragged)
     if masked:  # version 3: which rows count (1) and which are context only (0)
-        arrays["row_mask"] = np.concatenate([np.ones(len(s), bool) if s.row_mask is None else s.row_mask
-                                             for s in seqs]).astype(np.uint8)
-    meta = _shard_meta(codec_name, seqs[0].ids.shape[1], vocab, temperatures, variable_k, ragged, masked)
+        arrays["row_mask"] = np.concatenate(
+            [np.ones(len(s), bool) if s.row_mask is None else s.row_mask for s in seqs]
+        ).astype(np.uint8)
+    meta = _shard_meta(
+        codec_name, seqs[0].ids.shape[1], vocab, temperatures, variable_k, ragged, masked
+    )
     meta.update({key: str(value) for key, value in (identity or {}).items()})
     padding = np.isneginf(logprobs) if variable_k else None
-    coded, coded_meta = id_codec.encode(ids, logprobs, codec.row_scales(logprobs), arrays["seq_rows"], vocab,
-                                        padding, samples if ragged else None, ragged)
+    coded, coded_meta = id_codec.encode(
+        ids,
+        logprobs,
+        codec.row_scales(logprobs),
+        arrays["seq_rows"],
+        vocab,
+        padding,
+        samples if ragged else None,
+        ragged,
+    )
     if ragged:
         arrays = _ragged_arrays(arrays, vocab, samples, temperatures)
     return {**arrays, **coded}, {**meta, **coded_meta}
@@ -83,12 +116,16 @@ def _joined(seqs: list[TeacherSequence], name: str) -> np.ndarray:
     return np.concatenate([getattr(s, name) for s in seqs])
 
 
-def _sequence_arrays(seqs: list[TeacherSequence], temperatures: tuple[float, ...]) -> dict[str, np.ndarray]:
+def _sequence_arrays(
+    seqs: list[TeacherSequence], temperatures: tuple[float, ...]
+) -> dict[str, np.ndarray]:
     """The tensors every shard version stores whatever its codec: tokens, per-row scalars, sequence bounds."""
     rows = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
     logz = _joined(seqs, "logz").astype(np.float32).reshape(int(rows[-1]), -1)
     if logz.shape[1] != len(temperatures):
-        raise ValueError(f"logz: expected one column per temperature {list(temperatures)}, got {logz.shape[1]}")
+        raise ValueError(
+            f"logz: expected one column per temperature {list(temperatures)}, got {logz.shape[1]}"
+        )
     return {
         "input_ids": _joined(seqs, "input_ids").astype(np.int32),
         "log_mass": _joined(seqs, "log_mass").astype(np.float32),
@@ -98,12 +135,21 @@ def _sequence_arrays(seqs: list[TeacherSequence], temperatures: tuple[float, ...
         "seq_rows": rows,
         "seq_source": np.array([s.source_index for s in seqs], dtype=np.int64),
         "seq_token_offset": np.array([s.token_offset for s in seqs], dtype=np.int64),
-        "doc_starts": np.concatenate([s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]),
+        "doc_starts": np.concatenate(
+            [s.doc_starts.astype(np.int64) + r for s, r in zip(seqs, rows)]
+        ),
     }
 
 
-def _shard_meta(codec_name: str, k: int, vocab: int, temperatures: tuple[float, ...], variable_k: bool,
-                ragged: bool, masked: bool) -> dict[str, str]:
+def _shard_meta(
+    codec_name: str,
+    k: int,
+    vocab: int,
+    temperatures: tuple[float, ...],
+    variable_k: bool,
+    ragged: bool,
+    masked: bool,
+) -> dict[str, str]:
     """meta_json: the format version these rows need (the oldest that holds them), codec and shapes."""
     if ragged:
         version = RAGGED_VERSION
@@ -111,18 +157,30 @@ def _shard_meta(codec_name: str, k: int, vocab: int, temperatures: tuple[float, 
         version = VARIABLE_K_VERSION
     else:
         version = FORMAT_VERSION if masked else UNMASKED_VERSION
-    meta = {"format_version": str(version), "codec": codec_name, "k": str(k), "vocab": str(vocab),
-            "temperatures": json.dumps([float(t) for t in temperatures])}
+    meta = {
+        "format_version": str(version),
+        "codec": codec_name,
+        "k": str(k),
+        "vocab": str(vocab),
+        "temperatures": json.dumps([float(t) for t in temperatures]),
+    }
     if ragged:
         meta["masked"] = "1" if masked else "0"
     return meta
 
 
-def _ragged_arrays(arrays: dict, vocab: int, samples: int | None, temperatures: tuple[float, ...]) -> dict:
+def _ragged_arrays(
+    arrays: dict, vocab: int, samples: int | None, temperatures: tuple[float, ...]
+) -> dict:
     """Version 5: small vocabularies' input ids in 2 bytes; draw counts imply the per-row scalars."""
-    arrays = {**arrays, "input_ids": arrays["input_ids"].astype(np.uint16 if vocab <= 2**16 else np.int32)}
+    arrays = {
+        **arrays,
+        "input_ids": arrays["input_ids"].astype(np.uint16 if vocab <= 2**16 else np.int32),
+    }
     if samples and temperatures:
-        raise ValueError("samples: sampled targets store no temperatures, got " + str(list(temperatures)))
+        raise ValueError(
+            "samples: sampled targets store no temperatures, got " + str(list(temperatures))
+        )
     if samples:
         arrays = {name: v for name, v in arrays.items() if name not in SCALAR_TENSORS}
     return arrays
@@ -143,9 +201,13 @@ def _tempered_masses(seqs: list[TeacherSequence], n_temperatures: int) -> np.nda
     parts = []
     for s in seqs:
         if s.log_mass_t is None and n_temperatures:
-            raise ValueError("log_mass_t: expected the exact tempered top-K mass per stored temperature, got None")
+            raise ValueError(
+                "log_mass_t: expected the exact tempered top-K mass per stored temperature, got None"
+            )
         parts.append(np.zeros((len(s), 0), np.float32) if s.log_mass_t is None else s.log_mass_t)
-    return np.concatenate(parts).astype(np.float32).reshape(sum(len(s) for s in seqs), n_temperatures)
+    return (
+        np.concatenate(parts).astype(np.float32).reshape(sum(len(s) for s in seqs), n_temperatures)
+    )
 
 
 def write_shard(path: str, arrays: dict, meta: dict) -> int:
@@ -169,7 +231,9 @@ def read_row_counts(path: str) -> tuple[int, int]:
     """(rows, counted rows) from a shard's own tensors (seq_rows, row_mask): what its sidecar must record."""
     with safe_open(path, framework="np") as f:
         rows = int(f.get_tensor("seq_rows")[-1])
-        counted = int(f.get_tensor("row_mask").astype(bool).sum()) if "row_mask" in f.keys() else rows
+        counted = (
+            int(f.get_tensor("row_mask").astype(bool).sum()) if "row_mask" in f.keys() else rows
+        )
     return rows, counted
 
 
@@ -184,14 +248,20 @@ class ShardReader:
         self.names = set(f.keys()) - {"meta_json"}
         self.seq_rows = f.get_tensor("seq_rows")
         self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
-        self.variable_k = int(self.meta.get("format_version", 2)) >= VARIABLE_K_VERSION  # padding entries
+        # padding entries
+        self.variable_k = int(self.meta.get("format_version", 2)) >= VARIABLE_K_VERSION
         self.ragged = int(self.meta.get("format_version", 2)) >= RAGGED_VERSION  # cache/ragged.py
         self.samples = int(self.meta["samples"]) if self.meta.get("values") == "counts" else None
-        self.rice_table = [int(b) for b in self.meta["rice_b_table"].split(",")] if self.ragged else []
+        self.rice_table = (
+            [int(b) for b in self.meta["rice_b_table"].split(",")] if self.ragged else []
+        )
         self.id_codec = shard_codecs.lookup(self.codec, f"{path}: codec")
         self.temperatures = [float(t) for t in json.loads(self.meta.get("temperatures", "[]"))]
         self._offsets: dict[str, np.ndarray] = {}
-        self.seq_source, self.seq_token_offset = f.get_tensor("seq_source"), f.get_tensor("seq_token_offset")
+        self.seq_source, self.seq_token_offset = (
+            f.get_tensor("seq_source"),
+            f.get_tensor("seq_token_offset"),
+        )
         self.doc_starts = f.get_tensor("doc_starts")
 
     def _handle(self):
@@ -224,17 +294,27 @@ class ShardReader:
         ids, logprobs = self.id_codec.decode(self, j, a, e, scalars["log_mass"])
         starts = self.doc_starts[(self.doc_starts >= a) & (self.doc_starts < e)] - a
         return TeacherSequence(
-            input_ids=self.rows("input_ids", a, e).astype(np.int64), ids=ids, logprobs=logprobs,
-            logz=self._logz(logprobs, scalars["log_mass_t"]), doc_starts=starts, source_index=int(self.seq_source[j]),
-            token_offset=int(self.seq_token_offset[j]), log_mass=scalars["log_mass"], log_tail=scalars["log_tail"],
+            input_ids=self.rows("input_ids", a, e).astype(np.int64),
+            ids=ids,
+            logprobs=logprobs,
+            logz=self._logz(logprobs, scalars["log_mass_t"]),
+            doc_starts=starts,
+            source_index=int(self.seq_source[j]),
+            token_offset=int(self.seq_token_offset[j]),
+            log_mass=scalars["log_mass"],
+            log_tail=scalars["log_tail"],
             log_mass_t=scalars["log_mass_t"],
-            row_mask=self.rows("row_mask", a, e).astype(bool) if "row_mask" in self.names else None)
+            row_mask=self.rows("row_mask", a, e).astype(bool) if "row_mask" in self.names else None,
+        )
 
     def _scalars(self, a: int, e: int) -> dict[str, np.ndarray]:
         """log_mass, log_tail, log_mass_t of rows [a, e); draw counts (version 5) imply them: mass 1, no tail."""
         if self.samples:
-            return {"log_mass": np.zeros(e - a, np.float32), "log_tail": np.full(e - a, -np.inf, np.float32),
-                    "log_mass_t": np.zeros((e - a, 0), np.float32)}
+            return {
+                "log_mass": np.zeros(e - a, np.float32),
+                "log_tail": np.full(e - a, -np.inf, np.float32),
+                "log_mass_t": np.zeros((e - a, 0), np.float32),
+            }
         return {name: self.rows(name, a, e) for name in ("log_mass", "log_tail", "log_mass_t")}
 
     def _logz(self, logprobs: np.ndarray, log_mass_t: np.ndarray) -> np.ndarray:
@@ -243,15 +323,20 @@ class ShardReader:
         if not self.temperatures:
             return np.zeros((len(logprobs), 0), np.float32)
         lp, log_mass_t = logprobs.astype(np.float64), log_mass_t.astype(np.float64)
-        cols = [np.logaddexp.reduce(lp / t, axis=1) - log_mass_t[:, i] for i, t in enumerate(self.temperatures)]
+        cols = [
+            np.logaddexp.reduce(lp / t, axis=1) - log_mass_t[:, i]
+            for i, t in enumerate(self.temperatures)
+        ]
         return np.stack(cols, axis=1).astype(np.float32)
 
 
 def shard_facts(rows: list[TeacherSequence], meta: dict) -> dict:
     """What a sidecar records beside the checksum: the largest token id, the format version, counted rows."""
-    return {"max_id": max(max(int(_real_ids(r).max()), int(r.input_ids.max())) for r in rows),
-            "format_version": int(meta["format_version"]),
-            "counted": sum(len(r) if r.row_mask is None else int(r.row_mask.sum()) for r in rows)}
+    return {
+        "max_id": max(max(int(_real_ids(r).max()), int(r.input_ids.max())) for r in rows),
+        "format_version": int(meta["format_version"]),
+        "counted": sum(len(r) if r.row_mask is None else int(r.row_mask.sum()) for r in rows),
+    }
 
 
 def _real_ids(seq: TeacherSequence) -> np.ndarray:

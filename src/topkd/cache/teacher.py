@@ -10,6 +10,7 @@ packed sequences and a fingerprint built by `fingerprint()` here, so the cache b
 The body runs to the final hidden states; the lm_head then runs over token chunks in fp32
 (logsumexp, top-K, exact tail mass, c_T), so [batch, seq, vocab] never exists.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,18 +43,45 @@ class TeacherEngine(Protocol):
     tokenizer: object
 
     # on_batch(tokens) as work completes; sampler: --targets sampled (its draws per token instead of the top-k)
-    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
-                      on_batch=None, sampler: Sampler | None = None) -> list[EngineRows]: ...
+    def sequence_rows(
+        self,
+        sequences: list,
+        k: int,
+        temperatures: tuple[float, ...],
+        batch_size: int,
+        on_batch=None,
+        sampler: Sampler | None = None,
+    ) -> list[EngineRows]: ...
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict: ...
 
 
-def fingerprint(*, source: str, weights_sha256: str, config_sha256: str, tokenizer, dtype: str, vocab: int, k: int,
-                temperatures: tuple[float, ...], engine: str) -> dict:
+def fingerprint(
+    *,
+    source: str,
+    weights_sha256: str,
+    config_sha256: str,
+    tokenizer,
+    dtype: str,
+    vocab: int,
+    k: int,
+    temperatures: tuple[float, ...],
+    engine: str,
+) -> dict:
     """The identity of a teacher's rows, as the cache manifest records it: one builder for every engine."""
-    return {"teacher": source, "weights_sha256": weights_sha256, "config_sha256": config_sha256,
-            "tokenizer_sha256": tokenizer_hash(tokenizer), "dtype": dtype, "vocab_size": vocab, "k": k,
-            "temperatures": list(temperatures), "engine": engine, "topkd_version": __version__,
-            "alignment": ALIGNMENT, "attention": ATTENTION}
+    return {
+        "teacher": source,
+        "weights_sha256": weights_sha256,
+        "config_sha256": config_sha256,
+        "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "dtype": dtype,
+        "vocab_size": vocab,
+        "k": k,
+        "temperatures": list(temperatures),
+        "engine": engine,
+        "topkd_version": __version__,
+        "alignment": ALIGNMENT,
+        "attention": ATTENTION,
+    }
 
 
 @dataclass
@@ -82,8 +110,14 @@ class Teacher:
         return head.weight.detach().float(), None if bias is None else bias.detach().float()
 
     @torch.inference_mode()
-    def topk_rows(self, input_ids: Tensor, k: int, temperatures: tuple[float, ...] = (),
-                  position_ids: Tensor | None = None, sampler: Sampler | None = None) -> EngineRows:
+    def topk_rows(
+        self,
+        input_ids: Tensor,
+        k: int,
+        temperatures: tuple[float, ...] = (),
+        position_ids: Tensor | None = None,
+        sampler: Sampler | None = None,
+    ) -> EngineRows:
         """[B, L] token ids -> the rows of every token (flattened B*L). With a sampler
         (--targets sampled), its rows instead of the top-k (topkd/cache/sampled.py)."""
         h = self.hidden_states(input_ids, position_ids)
@@ -93,8 +127,15 @@ class Teacher:
             return sampler.rows(h.reshape(-1, h.shape[-1]), weight, bias, softcap)
         return head_topk(h.reshape(-1, h.shape[-1]), weight, bias, k, temperatures, softcap)
 
-    def sequence_rows(self, sequences: list, k: int, temperatures: tuple[float, ...], batch_size: int,
-                      on_batch=None, sampler: Sampler | None = None) -> list[EngineRows]:
+    def sequence_rows(
+        self,
+        sequences: list,
+        k: int,
+        temperatures: tuple[float, ...],
+        batch_size: int,
+        on_batch=None,
+        sampler: Sampler | None = None,
+    ) -> list[EngineRows]:
         """Top-K rows of each packed sequence (topkd.data.documents.Sequence), batching those of equal length;
         on_batch(tokens) after each forward (the build's progress counts finished work, batch by batch)."""
         out: list[EngineRows | None] = [None] * len(sequences)
@@ -103,9 +144,13 @@ class Teacher:
             by_len.setdefault(len(s.tokens), []).append(i)
         for length, idx in by_len.items():
             for b in range(0, len(idx), batch_size):
-                batch = idx[b:b + batch_size]
-                ids = torch.from_numpy(np.stack([sequences[i].tokens for i in batch])).to(self.model.device)
-                pos = torch.from_numpy(np.stack([position_ids(length, sequences[i].doc_starts) for i in batch]))
+                batch = idx[b : b + batch_size]
+                ids = torch.from_numpy(np.stack([sequences[i].tokens for i in batch])).to(
+                    self.model.device
+                )
+                pos = torch.from_numpy(
+                    np.stack([position_ids(length, sequences[i].doc_starts) for i in batch])
+                )
                 rows = self.topk_rows(ids, k, temperatures, pos.to(ids.device), sampler)
                 for i, seq_rows in zip(batch, split_rows(rows, len(batch), length)):
                     out[i] = seq_rows
@@ -116,14 +161,28 @@ class Teacher:
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
         import transformers
 
-        return fingerprint(source=self.source, weights_sha256=weights_hash(self.model),
-                           config_sha256=config_hash(self.model.config), tokenizer=self.tokenizer,
-                           dtype=str(self.dtype).removeprefix("torch."), vocab=self.vocab, k=k,
-                           temperatures=temperatures, engine=f"transformers {transformers.__version__}")
+        return fingerprint(
+            source=self.source,
+            weights_sha256=weights_hash(self.model),
+            config_sha256=config_hash(self.model.config),
+            tokenizer=self.tokenizer,
+            dtype=str(self.dtype).removeprefix("torch."),
+            vocab=self.vocab,
+            k=k,
+            temperatures=temperatures,
+            engine=f"transformers {transformers.__version__}",
+        )
 
 
-def head_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperatures=(),
-              softcap: float | None = None, chunk_bytes: int = HEAD_CHUNK_BYTES) -> EngineRows:
+def head_topk(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    k: int,
+    temperatures=(),
+    softcap: float | None = None,
+    chunk_bytes: int = HEAD_CHUNK_BYTES,
+) -> EngineRows:
     """Top-K log-probs of softmax(hidden @ weight.T + bias) over the full vocabulary, token chunks, fp32.
 
     weight [V, H] and bias [V] are fp32 (Teacher.head_fp32); hidden may be any float dtype."""
@@ -149,17 +208,25 @@ def _chunk_topk(z: Tensor, scratch: Tensor, k: int, temperatures) -> EngineRows:
         m = zb.amax(dim=1, keepdim=True)
         zb.sub_(m)  # shifted: max 0, so exp never overflows
         values[a:b] -= m
-        for i, t in enumerate(temperatures):  # c_T = log sum exp(z/T) - lse(z)/T, on the shifted logits
+        # c_T = log sum exp(z/T) - lse(z)/T, on the shifted logits
+        for i, t in enumerate(temperatures):
             log_sums[i, a:b] = torch.mul(zb, 1.0 / t, out=eb).exp_().sum(dim=1).log_()
         torch.exp(zb, out=eb)
         log_total[a:b] = eb.sum(dim=1).log_()
-        log_tail[a:b] = eb.scatter_(1, ids[a:b], 0.0).sum(dim=1).log_()  # summed directly: exact when tiny
+        # summed directly: exact when tiny
+        log_tail[a:b] = eb.scatter_(1, ids[a:b], 0.0).sum(dim=1).log_()
     logprobs = values - log_total[:, None]
     logz = [log_sums[i] - log_total / t for i, t in enumerate(temperatures)]
-    log_mass_t = [torch.logsumexp(logprobs / t, dim=1) - c for t, c in zip(temperatures, logz)]  # exact head at T
-    return EngineRows(ids=ids.to(torch.int32).numpy(), logprobs=logprobs.numpy(),
-                      log_mass=torch.logsumexp(logprobs, dim=1).numpy(), log_tail=(log_tail - log_total).numpy(),
-                      logz=_columns(logz, n), log_mass_t=_columns(log_mass_t, n))
+    # exact head at T
+    log_mass_t = [torch.logsumexp(logprobs / t, dim=1) - c for t, c in zip(temperatures, logz)]
+    return EngineRows(
+        ids=ids.to(torch.int32).numpy(),
+        logprobs=logprobs.numpy(),
+        log_mass=torch.logsumexp(logprobs, dim=1).numpy(),
+        log_tail=(log_tail - log_total).numpy(),
+        logz=_columns(logz, n),
+        log_mass_t=_columns(log_mass_t, n),
+    )
 
 
 def _columns(cols: list[Tensor], n: int) -> np.ndarray:
@@ -175,15 +242,22 @@ def split_rows(flat: EngineRows, n_seqs: int, length: int) -> list[EngineRows]:
 def load_teacher(source: str, dtype: str = "float32", device: str = "cpu") -> Teacher:
     """An HF causal LM from a local directory, or a GGUF file (topkd.models.load_causal_lm)."""
     model, tokenizer = load_causal_lm(source, dtype, device, role="teacher")
-    return Teacher(model=model, tokenizer=tokenizer, source=os.path.abspath(source), dtype=getattr(torch, dtype))
+    return Teacher(
+        model=model,
+        tokenizer=tokenizer,
+        source=os.path.abspath(source),
+        dtype=getattr(torch, dtype),
+    )
 
 
 def identity_problem(teacher: Teacher, fingerprint: dict) -> str | None:
     """What differs between a loaded teacher and a cache fingerprint's record of it (None: the same model).
     Cheap comparisons first; the weights' sha256 (about 1 s per GB) last."""
-    checks = (("config", lambda: config_hash(teacher.model.config), "config_sha256"),
-              ("tokenizer", lambda: tokenizer_hash(teacher.tokenizer), "tokenizer_sha256"),
-              ("weights", lambda: weights_hash(teacher.model), "weights_sha256"))
+    checks = (
+        ("config", lambda: config_hash(teacher.model.config), "config_sha256"),
+        ("tokenizer", lambda: tokenizer_hash(teacher.tokenizer), "tokenizer_sha256"),
+        ("weights", lambda: weights_hash(teacher.model), "weights_sha256"),
+    )
     for what, digest, key in checks:
         got = digest()
         if key in fingerprint and got != fingerprint[key]:

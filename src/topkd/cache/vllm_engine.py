@@ -22,6 +22,7 @@ topkd's pins (vllm 0.32.0: torch==2.13.0 but transformers<5.20), so it lives in 
 (docs/scale-out.md gives the commands). Tested without vLLM on vLLM-shaped outputs
 (tests/cache/test_vllm_engine.py).
 """
+
 from __future__ import annotations
 
 import glob
@@ -37,27 +38,37 @@ from topkd.files import json_file_sha256
 TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
 
 
-def rows_from_prompt(prompt_ids: list[int], prompt_logprobs: list, next_logprobs: dict, k: int) -> EngineRows:
+def rows_from_prompt(
+    prompt_ids: list[int], prompt_logprobs: list, next_logprobs: dict, k: int
+) -> EngineRows:
     """One prompt's vLLM output -> its rows [L, K], as Teacher.topk_rows gives them."""
     if len(prompt_logprobs) != len(prompt_ids) or (prompt_ids and prompt_logprobs[0] is not None):
-        raise ValueError(f"vLLM output: expected prompt_logprobs of length {len(prompt_ids)} starting with None, "
-                         f"got length {len(prompt_logprobs)}; was prompt_logprobs=K set and prefix caching off?")
+        raise ValueError(
+            f"vLLM output: expected prompt_logprobs of length {len(prompt_ids)} starting with None, "
+            f"got length {len(prompt_logprobs)}; was prompt_logprobs=K set and prefix caching off?"
+        )
     entries = list(prompt_logprobs[1:]) + [next_logprobs]
     ids = np.empty((len(entries), k), np.int32)
     logprobs = np.empty((len(entries), k), np.float32)
     for t, entry in enumerate(entries):
         top = sorted((v.rank, -v.logprob, int(tid)) for tid, v in entry.items() if v.rank <= k)
         if len(top) != k:
-            raise ValueError(f"vLLM output: expected {k} entries ranked 1..{k} at row {t}, got {len(top)} of "
-                             f"{len(entry)}; set max_logprobs >= K and prompt_logprobs=K")
+            raise ValueError(
+                f"vLLM output: expected {k} entries ranked 1..{k} at row {t}, got {len(top)} of "
+                f"{len(entry)}; set max_logprobs >= K and prompt_logprobs=K"
+            )
         ids[t] = [tid for _, _, tid in top]
         logprobs[t] = [-neg for _, neg, _ in top]
     log_mass = np.logaddexp.reduce(logprobs.astype(np.float64), axis=1)
     with np.errstate(divide="ignore"):  # a top-K holding all the mass leaves a zero tail: the floor
         tail = np.log(-np.expm1(np.minimum(log_mass, 0.0)))
-    return EngineRows(ids=ids, logprobs=logprobs, log_mass=log_mass.astype(np.float32),
-                      log_tail=np.maximum(tail, TAIL_FLOOR).astype(np.float32),
-                      logz=np.zeros((len(entries), 0), np.float32))
+    return EngineRows(
+        ids=ids,
+        logprobs=logprobs,
+        log_mass=log_mass.astype(np.float32),
+        log_tail=np.maximum(tail, TAIL_FLOOR).astype(np.float32),
+        logz=np.zeros((len(entries), 0), np.float32),
+    )
 
 
 def document_pieces(tokens: np.ndarray, doc_starts: np.ndarray) -> list[np.ndarray]:
@@ -69,30 +80,56 @@ def document_pieces(tokens: np.ndarray, doc_starts: np.ndarray) -> list[np.ndarr
 class VLLMTeacher:
     """A teacher served by vLLM in this process (tensor-parallel over `tensor_parallel` GPUs)."""
 
-    def __init__(self, source: str, k: int, dtype: str = "bfloat16", tensor_parallel: int = 1, max_len: int = 4096,
-                 gpu_memory_utilization: float = 0.9):
+    def __init__(
+        self,
+        source: str,
+        k: int,
+        dtype: str = "bfloat16",
+        tensor_parallel: int = 1,
+        max_len: int = 4096,
+        gpu_memory_utilization: float = 0.9,
+    ):
         if not os.path.isdir(source):
-            raise ValueError(f"--engine vllm: expected a Hugging Face model directory, got {source!r}")
+            raise ValueError(
+                f"--engine vllm: expected a Hugging Face model directory, got {source!r}"
+            )
         try:
             import vllm
         except ImportError as e:
-            raise ValueError("--engine vllm: expected vLLM, got no vllm module; vLLM pins its own torch and "
-                             "transformers, so install it in a separate environment (docs/scale-out.md), or use "
-                             "--engine hf") from e
+            raise ValueError(
+                "--engine vllm: expected vLLM, got no vllm module; vLLM pins its own torch and "
+                "transformers, so install it in a separate environment (docs/scale-out.md), or use "
+                "--engine hf"
+            ) from e
         from transformers import AutoConfig, AutoTokenizer
 
         self.source, self.k, self.dtype, self.vllm = source, k, dtype, vllm
         self.tokenizer = AutoTokenizer.from_pretrained(source)
         config = AutoConfig.from_pretrained(source)
         self.vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
-        self.llm = vllm.LLM(model=source, dtype=dtype, tensor_parallel_size=tensor_parallel, max_logprobs=k,
-                            enable_prefix_caching=False, max_model_len=max_len + 1,
-                            gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True)
-        self.params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
-                                          detokenize=False)
+        self.llm = vllm.LLM(
+            model=source,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel,
+            max_logprobs=k,
+            enable_prefix_caching=False,
+            max_model_len=max_len + 1,
+            gpu_memory_utilization=gpu_memory_utilization,
+            skip_tokenizer_init=True,
+        )
+        self.params = vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k, detokenize=False
+        )
 
-    def sequence_rows(self, sequences: list, k: int | None = None, temperatures: tuple[float, ...] = (),
-                      batch_size: int = 0, on_batch=None, sampler=None) -> list[EngineRows]:
+    def sequence_rows(
+        self,
+        sequences: list,
+        k: int | None = None,
+        temperatures: tuple[float, ...] = (),
+        batch_size: int = 0,
+        on_batch=None,
+        sampler=None,
+    ) -> list[EngineRows]:
         """Rows for packed sequences (topkd.data.documents.Sequence), one vLLM call for all their pieces (vLLM
         batches itself; k was fixed at construction; temperatures are refused by the build)."""
         pieces = [document_pieces(np.asarray(s.tokens), s.doc_starts) for s in sequences]
@@ -107,15 +144,26 @@ class VLLMTeacher:
         return rows
 
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
-        return fingerprint(source=self.source, weights_sha256=files_hash(self.source),
-                           config_sha256=json_file_sha256(os.path.join(self.source, "config.json")),
-                           tokenizer=self.tokenizer, dtype=self.dtype, vocab=self.vocab, k=k,
-                           temperatures=temperatures, engine=f"vllm {self.vllm.__version__}")
+        return fingerprint(
+            source=self.source,
+            weights_sha256=files_hash(self.source),
+            config_sha256=json_file_sha256(os.path.join(self.source, "config.json")),
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            vocab=self.vocab,
+            k=k,
+            temperatures=temperatures,
+            engine=f"vllm {self.vllm.__version__}",
+        )
 
 
 def _rows_of(output, k: int) -> dict[str, np.ndarray]:
-    return rows_from_prompt(list(output.prompt_token_ids), list(output.prompt_logprobs), output.outputs[0].logprobs[0],
-                            k)
+    return rows_from_prompt(
+        list(output.prompt_token_ids),
+        list(output.prompt_logprobs),
+        output.outputs[0].logprobs[0],
+        k,
+    )
 
 
 def files_hash(model_dir: str) -> str:

@@ -8,6 +8,7 @@
 It imports nothing from the other topkd layers: a sequence source is anything with the methods
 SampleStream reads (topkd.data.samples.SequenceSource).
 """
+
 from topkd.data.dataset import EpochSampler, TopKDataset, collate
 
 __all__ = ["EpochSampler", "TopKDataset", "collate"]

@@ -11,6 +11,7 @@ conversation as context; only which rows count changes. Spans are found by rende
 conversation (the text up to the assistant's header, then up to the end of its turn), so the template must
 render a conversation's prefix as a prefix of the whole; one that rewrites earlier turns is refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,12 +33,21 @@ class ChatDocument:
 
 
 def check_messages(messages, where: str) -> None:
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages)
+    ok = (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
     if not ok:
-        raise ValueError(f"{where}: expected a non-empty list of {{\"role\": str, \"content\": str}} messages, got "
-                         f"{str(messages)[:80]!r}; set --messages-field, or use text data")
+        raise ValueError(
+            f'{where}: expected a non-empty list of {{"role": str, "content": str}} messages, got '
+            f"{str(messages)[:80]!r}; set --messages-field, or use text data"
+        )
     for i, m in enumerate(messages):
         check_text(m["content"], where, f"message {i} content")
 
@@ -47,42 +57,58 @@ def check_text(text: str, where: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{where}: {what}: expected text, got a lone surrogate {text[e.start:e.end]!r} at character "
-                         f"{e.start} (half of a broken \\uXXXX escape pair); repair or drop that record") from None
+        raise ValueError(
+            f"{where}: {what}: expected text, got a lone surrogate {text[e.start : e.end]!r} at character "
+            f"{e.start} (half of a broken \\uXXXX escape pair); repair or drop that record"
+        ) from None
 
 
-TEMPLATE_REMEDY = {"TemplateSyntaxError": "the template is not valid Jinja; fix it, or pass --chat-template FILE",
-                   "UndefinedError": "the template uses a name this conversation does not give it; fix the template "
-                                     "(--chat-template FILE) or the record",
-                   "TemplateError": "the template refuses this conversation (e.g. roles must alternate "
-                                    "user/assistant, or a system turn is not allowed); fix the record, or pass "
-                                    "--chat-template FILE"}
+TEMPLATE_REMEDY = {
+    "TemplateSyntaxError": "the template is not valid Jinja; fix it, or pass --chat-template FILE",
+    "UndefinedError": "the template uses a name this conversation does not give it; fix the template "
+    "(--chat-template FILE) or the record",
+    "TemplateError": "the template refuses this conversation (e.g. roles must alternate "
+    "user/assistant, or a system turn is not allowed); fix the record, or pass "
+    "--chat-template FILE",
+}
 
 
-def render(tokenizer, messages: list[dict], generation_prompt: bool = False, where: str = "chat") -> str:
+def render(
+    tokenizer, messages: list[dict], generation_prompt: bool = False, where: str = "chat"
+) -> str:
     """The conversation as the chat template renders it; a Jinja error is one line naming the record."""
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
     except TemplateError as e:
         kind = type(e).__name__
         remedy = TEMPLATE_REMEDY.get(kind, TEMPLATE_REMEDY["TemplateError"])
         raise ValueError(f"{where}: the chat template failed ({kind}: {e}); {remedy}") from None
 
 
-def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
+def assistant_spans(
+    tokenizer, messages: list[dict], text: str, where: str
+) -> list[tuple[int, int]]:
     """Character spans [a, e) of the assistant turns in the rendered text (reply + end-of-turn token)."""
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         through = render(tokenizer, messages[: i + 1], where=where)
-        before = render(tokenizer, messages[:i], True, where) if i else _before_first_reply(through, message, where)
+        before = (
+            render(tokenizer, messages[:i], True, where)
+            if i
+            else _before_first_reply(through, message, where)
+        )
         if not (text.startswith(through) and through.startswith(before)):
-            raise ValueError(f"{where}: the chat template renders turn {i} differently inside the whole conversation "
-                             "(it rewrites earlier turns), so assistant tokens cannot be located; pass "
-                             "--chat-template with a prefix-stable template, or --train-on all")
+            raise ValueError(
+                f"{where}: the chat template renders turn {i} differently inside the whole conversation "
+                "(it rewrites earlier turns), so assistant tokens cannot be located; pass "
+                "--chat-template with a prefix-stable template, or --train-on all"
+            )
         spans.append((len(before), len(through.rstrip())))
     return spans
 
@@ -92,13 +118,17 @@ def _before_first_reply(through: str, message: dict, where: str) -> str:
     an empty one): its reply starts where its content does in the rendered turn."""
     at = through.rfind(message["content"]) if message["content"] else -1
     if at < 0:
-        raise ValueError(f"{where}: the conversation opens with an assistant turn whose text the chat template does "
-                         "not render as given, so its tokens cannot be located; start it with a user (or system) "
-                         "turn, or pass --train-on all")
+        raise ValueError(
+            f"{where}: the conversation opens with an assistant turn whose text the chat template does "
+            "not render as given, so its tokens cannot be located; start it with a user (or system) "
+            "turn, or pass --train-on all"
+        )
     return through[:at]
 
 
-def chat_document(messages: list[dict], tokenizer, train_on: str = "assistant", where: str = "chat") -> ChatDocument:
+def chat_document(
+    messages: list[dict], tokenizer, train_on: str = "assistant", where: str = "chat"
+) -> ChatDocument:
     check_messages(messages, where)
     check_chat_tokenizer(tokenizer)
     text = render(tokenizer, messages, where=where)
@@ -119,8 +149,12 @@ def check_chat_tokenizer(tokenizer, template_file: str = "") -> None:
         with open(template_file, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat data: expected a tokenizer with a chat template, got one without; pass "
-                         "--chat-template FILE (a Jinja template)")
+        raise ValueError(
+            "chat data: expected a tokenizer with a chat template, got one without; pass "
+            "--chat-template FILE (a Jinja template)"
+        )
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("chat data: expected a fast (Rust) tokenizer, which maps tokens to text offsets, got "
-                         f"{type(tokenizer).__name__}; save the teacher with its tokenizer.json")
+        raise ValueError(
+            "chat data: expected a fast (Rust) tokenizer, which maps tokens to text offsets, got "
+            f"{type(tokenizer).__name__}; save the teacher with its tokenizer.json"
+        )

@@ -23,6 +23,7 @@ collate(items) pads them to the longest (labels -100, kd_mask False, positions c
 The source is read lazily and is fork-safe (a TopKCache reopens its files per process), so DataLoader
 workers each decode their own samples.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,15 +39,25 @@ __all__ = ["EpochSampler", "TopKDataset", "collate"]
 class TopKDataset(torch.utils.data.Dataset):
     """Samples of a top-K cache (or any SequenceSource), as `topkd train` forms them; see the module docstring."""
 
-    def __init__(self, cache: SequenceSource | str, seq_len: int | None = None, packing: str = "documents",
-                 seed: int = 0, temperature: float | None = None):
+    def __init__(
+        self,
+        cache: SequenceSource | str,
+        seq_len: int | None = None,
+        packing: str = "documents",
+        seed: int = 0,
+        temperature: float | None = None,
+    ):
         cache = _source(cache)
         lengths = cache.sequence_lengths()
         if not lengths:
-            raise ValueError("TopKDataset: expected a cache with sequences, got an empty one; build it first")
+            raise ValueError(
+                "TopKDataset: expected a cache with sequences, got an empty one; build it first"
+            )
         seq_len = max(lengths) if seq_len is None else seq_len
         if not isinstance(seq_len, int) or seq_len < 2:
-            raise ValueError(f"TopKDataset seq_len: expected an int >= 2 (or None: the cache's), got {seq_len!r}")
+            raise ValueError(
+                f"TopKDataset seq_len: expected an int >= 2 (or None: the cache's), got {seq_len!r}"
+            )
         self.stream = SampleStream(cache, seq_len, seed, logz_column(cache, temperature), packing)
         self.vocab_size: int = cache.vocab_size  # the teacher's (student rows beyond it: padding)
         self.temperature = temperature  # the T whose c_T the items carry (teacher_logz); KDTrainer takes it from here
@@ -56,7 +67,9 @@ class TopKDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if index < 0:
-            raise IndexError(f"TopKDataset: expected an index >= 0 (index // len is the epoch), got {index}")
+            raise IndexError(
+                f"TopKDataset: expected an index >= 0 (index // len is the epoch), got {index}"
+            )
         return self.stream.item(int(index))
 
 
@@ -71,9 +84,12 @@ def _source(cache) -> SequenceSource:
         return PATH_OPENER(os.fspath(cache))
     missing = missing_members(cache)
     if missing:
-        raise TypeError(f"TopKDataset: expected a cache directory's path, a TopKCache or another SequenceSource, got "
-                        f"{type(cache).__name__} (without {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); pass TopKDataset('runs/cache') or "
-                        "TopKDataset(TopKCache(path))")
+        lacks = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise TypeError(
+            "TopKDataset: expected a cache directory's path, a TopKCache or another SequenceSource, "
+            f"got {type(cache).__name__} (without {lacks}); pass TopKDataset('runs/cache') or "
+            "TopKDataset(TopKCache(path))"
+        )
     return cache
 
 
@@ -82,7 +98,12 @@ class EpochSampler(torch.utils.data.Sampler):
     calls it). With num_replicas > 1 each process takes every num_replicas-th index from rank on."""
 
     def __init__(self, dataset: TopKDataset, num_replicas: int = 1, rank: int = 0):
-        self.per_epoch, self.num_replicas, self.rank, self.epoch = len(dataset), num_replicas, rank, 0
+        self.per_epoch, self.num_replicas, self.rank, self.epoch = (
+            len(dataset),
+            num_replicas,
+            rank,
+            0,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)

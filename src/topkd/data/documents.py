@@ -10,6 +10,7 @@ line longer than that, at a space), so the memory a build needs does not grow wi
 Each sequence records where documents start in it, so training can reset positions and mask
 attention and loss across them. A 2-D .npy array is taken as ready-made sequences, one per row.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -35,7 +36,9 @@ class Sequence:
     doc_starts: np.ndarray  # positions in [0, L) where a document begins
     index: int  # sequence number in the source data
     token_offset: int  # offset of tokens[0] in the concatenated token stream
-    row_mask: np.ndarray | None = None  # [L] bool: row t counts (token t + 1 is a target); None: every row
+    row_mask: np.ndarray | None = (
+        None  # [L] bool: row t counts (token t + 1 is a target); None: every row
+    )
 
 
 def check_paths(paths: list[str]) -> None:
@@ -45,13 +48,20 @@ def check_paths(paths: list[str]) -> None:
         if not os.path.isfile(p):
             raise ValueError(f"data: expected an existing file, got {p!r}; check the path")
         if not p.endswith(SUFFIXES):
-            raise ValueError(f"data: expected a file ending in {SUFFIXES}, got {p!r}; convert it, or pass "
-                             "pre-tokenised ids as a .npy array")
+            raise ValueError(
+                f"data: expected a file ending in {SUFFIXES}, got {p!r}; convert it, or pass "
+                "pre-tokenised ids as a .npy array"
+            )
 
 
-def iter_documents(paths: list[str], tokenizer, text_field: str = "text", vocab: int | None = None,
-                   messages_field: str = "messages", train_on: str = "assistant"
-                   ) -> Iterator[np.ndarray | list | Iterator[np.ndarray] | ChatDocument]:
+def iter_documents(
+    paths: list[str],
+    tokenizer,
+    text_field: str = "text",
+    vocab: int | None = None,
+    messages_field: str = "messages",
+    train_on: str = "assistant",
+) -> Iterator[np.ndarray | list | Iterator[np.ndarray] | ChatDocument]:
     """One item per document: a token array (.jsonl text, 1-D .npy), a ChatDocument (.jsonl conversation in
     messages_field, see topkd.data.chat), an iterator of token blocks (.txt, read lazily), or a list of arrays
     (a 2-D .npy: ready-made sequences). vocab: refuse ids outside [0, vocab)."""
@@ -60,11 +70,17 @@ def iter_documents(paths: list[str], tokenizer, text_field: str = "text", vocab:
         if path.endswith(".npy"):
             arr = np.load(path, mmap_mode="r")
             if arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"{path}: expected a 1-D token stream or 2-D [sequences, length] integer array, "
-                                 f"got {arr.ndim}-D {arr.dtype}")
+                raise ValueError(
+                    f"{path}: expected a 1-D token stream or 2-D [sequences, length] integer array, "
+                    f"got {arr.ndim}-D {arr.dtype}"
+                )
             if vocab is not None:
                 _check_ids(path, arr, vocab)
-            yield np.asarray(arr, dtype=np.int64) if arr.ndim == 1 else [np.asarray(r, np.int64) for r in arr]
+            yield (
+                np.asarray(arr, dtype=np.int64)
+                if arr.ndim == 1
+                else [np.asarray(r, np.int64) for r in arr]
+            )
         elif path.endswith(".jsonl"):
             yield from _jsonl_documents(path, tokenizer, text_field, messages_field, train_on)
         else:
@@ -84,13 +100,15 @@ def whole(document) -> np.ndarray:
 def _check_ids(path: str, arr: np.ndarray, vocab: int, block: int = 1 << 24) -> None:
     flat = arr.reshape(-1)
     for a in range(0, flat.size, block):  # blocks: a memory-mapped array is never read whole
-        part = np.asarray(flat[a:a + block])
+        part = np.asarray(flat[a : a + block])
         bad = np.flatnonzero((part < 0) | (part >= vocab))
         if bad.size:
             where = np.unravel_index(a + int(bad[0]), arr.shape)
-            raise ValueError(f"{path}: token id {int(part[bad[0]])} at position {tuple(int(i) for i in where)} is "
-                             f"outside the teacher's vocabulary [0, {vocab}); were these ids made with another "
-                             "tokenizer? Re-tokenise with the teacher's, or pass the text instead")
+            raise ValueError(
+                f"{path}: token id {int(part[bad[0]])} at position {tuple(int(i) for i in where)} is "
+                f"outside the teacher's vocabulary [0, {vocab}); were these ids made with another "
+                "tokenizer? Re-tokenise with the teacher's, or pass the text instead"
+            )
 
 
 def jsonl_records(path: str) -> Iterator[tuple[int, object]]:
@@ -102,7 +120,9 @@ def jsonl_records(path: str) -> Iterator[tuple[int, object]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: expected one JSON object per line, got invalid JSON ({e})")
+                raise ValueError(
+                    f"{path}:{line_no}: expected one JSON object per line, got invalid JSON ({e})"
+                )
             yield line_no, record
 
 
@@ -116,24 +136,33 @@ def chat_roles(paths: list[str], messages_field: str = "messages") -> Counter:
     return roles
 
 
-def _jsonl_documents(path: str, tokenizer, field: str, messages_field: str, train_on: str
-                     ) -> Iterator[np.ndarray | ChatDocument]:
+def _jsonl_documents(
+    path: str, tokenizer, field: str, messages_field: str, train_on: str
+) -> Iterator[np.ndarray | ChatDocument]:
     """A text record is one document; a conversation record (messages_field) is one ChatDocument."""
     for line_no, record in jsonl_records(path):
         where = f"{path}:{line_no}"
         if isinstance(record, dict) and messages_field in record and field in record:
-            raise ValueError(f"{where}: expected either a text field {field!r} or a conversation {messages_field!r}, "
-                             f"got both; pick one: --messages-field '' reads the text, --text-field '' the "
-                             "conversation")
+            raise ValueError(
+                f"{where}: expected either a text field {field!r} or a conversation {messages_field!r}, "
+                f"got both; pick one: --messages-field '' reads the text, --text-field '' the "
+                "conversation"
+            )
         if isinstance(record, dict) and messages_field in record:
             yield chat_document(record[messages_field], tokenizer, train_on, where=where)
             continue
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             keys = list(record)[:5] if isinstance(record, dict) else []
-            got = type(record[field]).__name__ if isinstance(record, dict) and field in record else "missing"
-            raise ValueError(f"{path}:{line_no}: expected an object with a string field {field!r} or a conversation "
-                             f"in {messages_field!r}, got {type(record).__name__} with keys {keys} ({field}: {got}); "
-                             "set --text-field or --messages-field")
+            got = (
+                type(record[field]).__name__
+                if isinstance(record, dict) and field in record
+                else "missing"
+            )
+            raise ValueError(
+                f"{path}:{line_no}: expected an object with a string field {field!r} or a conversation "
+                f"in {messages_field!r}, got {type(record).__name__} with keys {keys} ({field}: {got}); "
+                "set --text-field or --messages-field"
+            )
         check_text(record[field], where, field)
         yield _encode(tokenizer, record[field])
 
@@ -162,7 +191,8 @@ def _bounded_lines(f, limit: int) -> Iterator[str]:
         if not text:
             return
         if not text.endswith("\n") and part and len(text) >= limit:
-            cut = max(text.rfind(" "), text.rfind("\t")) + 1 or len(text)  # no space at all: a hard cut
+            # no space at all: a hard cut
+            cut = max(text.rfind(" "), text.rfind("\t")) + 1 or len(text)
             text, carry = text[:cut], text[cut:]
         yield text
 
@@ -174,8 +204,10 @@ def _utf8_errors(path: str):
         yield
     except UnicodeDecodeError as e:
         line, offset = _first_bad_utf8(path)
-        raise ValueError(f"{path}:{line}: expected UTF-8 text, got an invalid byte at offset {offset} ({e.reason}); "
-                         "convert the file (e.g. iconv -f latin1 -t utf-8), or pass token ids as .npy") from None
+        raise ValueError(
+            f"{path}:{line}: expected UTF-8 text, got an invalid byte at offset {offset} ({e.reason}); "
+            "convert the file (e.g. iconv -f latin1 -t utf-8), or pass token ids as .npy"
+        ) from None
 
 
 def _first_bad_utf8(path: str, block: int = 1 << 20) -> tuple[int, int]:
@@ -205,17 +237,23 @@ def pack_sequences(documents: Iterable, seq_len: int, separator: int | None) -> 
         raise ValueError(f"seq_len: expected >= 2, got {seq_len}")
     packer = _Packer(seq_len)
     for doc in documents:
-        if isinstance(doc, list):  # ready-made sequences: emitted as they are, after any packed remainder
+        # ready-made sequences: emitted as they are, after any packed remainder
+        if isinstance(doc, list):
             yield from packer.flush()
             yield from packer.ready_made(doc)
             continue
         packer.start_document()
         chat = isinstance(doc, ChatDocument)
-        pieces = [doc.tokens] if chat else [doc] if isinstance(doc, np.ndarray) else doc
-        for n, piece in enumerate(itertools.chain(pieces, [None])):  # None: the end, where the separator goes
+        if chat:
+            pieces = [doc.tokens]
+        else:  # token ids: one array, or already cut into pieces
+            pieces = [doc] if isinstance(doc, np.ndarray) else doc
+        # None: the end, where the separator goes
+        for n, piece in enumerate(itertools.chain(pieces, [None])):
             if piece is None:
                 tokens = np.asarray([separator] if separator is not None else [], dtype=np.int64)
-                targets = np.full(len(tokens), not chat)  # after a conversation the separator is no target
+                # after a conversation the separator is no target
+                targets = np.full(len(tokens), not chat)
             else:
                 tokens = np.asarray(piece, dtype=np.int64)
                 targets = doc.targets if chat else np.ones(len(tokens), dtype=bool)
@@ -238,8 +276,9 @@ class _Packer:
         self.masked = self.masked or masked
         self.stream = np.concatenate([self.stream, tokens])
         self.targets = np.concatenate([self.targets, targets])
-        while len(self.stream) > self.seq_len:  # one token beyond the cut: the last row's target is known
-            yield self._emit(self.seq_len, self.targets[1:self.seq_len + 1])
+        # one token beyond the cut: the last row's target is known
+        while len(self.stream) > self.seq_len:
+            yield self._emit(self.seq_len, self.targets[1 : self.seq_len + 1])
 
     def flush(self) -> Iterator[Sequence]:
         if len(self.stream):  # the last row of the data predicts nothing in it
@@ -251,8 +290,13 @@ class _Packer:
             self.index, self.offset = self.index + 1, self.offset + len(row)
 
     def _emit(self, n: int, row_targets: np.ndarray) -> Sequence:
-        seq = Sequence(self.stream[:n], _starts_in(self.starts, self.offset, self.offset + n), self.index,
-                       self.offset, row_targets.copy() if self.masked else None)
+        seq = Sequence(
+            self.stream[:n],
+            _starts_in(self.starts, self.offset, self.offset + n),
+            self.index,
+            self.offset,
+            row_targets.copy() if self.masked else None,
+        )
         self.starts = [s for s in self.starts if s >= self.offset + n]
         self.stream, self.targets = self.stream[n:], self.targets[n:]
         self.offset, self.index = self.offset + n, self.index + 1

@@ -11,6 +11,7 @@ saw. No loss is taken across a document boundary: the row of each separator toke
 token opens another document) is masked, and so is the hard label at the end of each piece.
 Samples are addressed by a global index, so resuming needs only the number consumed.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -39,16 +40,35 @@ class SequenceSource(Protocol):
     counted_tokens: int  # rows that count for the loss (chat data: the assistant targets)
 
     def __len__(self) -> int: ...
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...  # one sequence's rows: SEQUENCE_KEYS
+    # one sequence's rows: SEQUENCE_KEYS
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...
     def sequence_lengths(self) -> list[int]: ...
-    def document_starts(self) -> list[np.ndarray]: ...  # per sequence: where documents begin, 0 first
-    def check_student(self, vocab_size: int, tokenizer=None) -> None: ...  # refuses a student it cannot teach
+    # per sequence: where documents begin, 0 first
+    def document_starts(self) -> list[np.ndarray]: ...
+    # refuses a student it cannot teach
+    def check_student(self, vocab_size: int, tokenizer=None) -> None: ...
     def load_teacher(self): ...  # the teacher (what --init-from-teacher copies layers from)
 
 
-SOURCE_MEMBERS = ("path", "vocab_size", "k", "seq_len", "temperatures", "separator", "targets", "teacher_dir",
-                  "tokens", "counted_tokens", "__len__", "__getitem__", "sequence_lengths", "document_starts",
-                  "check_student", "load_teacher")  # tests/data/test_samples.py holds it to the protocol
+# tests/data/test_samples.py holds it to the protocol
+SOURCE_MEMBERS = (
+    "path",
+    "vocab_size",
+    "k",
+    "seq_len",
+    "temperatures",
+    "separator",
+    "targets",
+    "teacher_dir",
+    "tokens",
+    "counted_tokens",
+    "__len__",
+    "__getitem__",
+    "sequence_lengths",
+    "document_starts",
+    "check_student",
+    "load_teacher",
+)
 
 
 def missing_members(source) -> list[str]:
@@ -63,17 +83,28 @@ class SampleStream:
     "cross" packs the same way but attends across documents (naive packing, for ablations); "none"
     makes every document (or seq_len piece of one) its own sample, padded to the batch's longest."""
 
-    def __init__(self, source: SequenceSource, seq_len: int, seed: int, logz_column: int | None = None,
-                 packing: str = "documents"):
+    def __init__(
+        self,
+        source: SequenceSource,
+        seq_len: int,
+        seed: int,
+        logz_column: int | None = None,
+        packing: str = "documents",
+    ):
         if packing not in PACKINGS:
             raise ValueError(f"packing: expected one of {PACKINGS}, got {packing!r}")
         self.source, self.seq_len, self.seed, self.logz_column = source, seq_len, seed, logz_column
         self.packing = packing
         self.lengths = source.sequence_lengths()
-        self.units = _document_pieces(source.document_starts(), self.lengths, seq_len) if packing == "none" \
+        self.units = (
+            _document_pieces(source.document_starts(), self.lengths, seq_len)
+            if packing == "none"
             else None
+        )
         # pieces fill samples in order: the count per epoch is fixed
-        self.per_epoch = len(self.units) if self.units is not None else -(-sum(self.lengths) // seq_len)
+        self.per_epoch = (
+            len(self.units) if self.units is not None else -(-sum(self.lengths) // seq_len)
+        )
         self.separator = source.separator
         self._plans: dict[int, list[list[tuple[int, int, int]]]] = {}
         self._decoded: tuple[int, dict] | None = None
@@ -83,7 +114,9 @@ class SampleStream:
         if epoch not in self._plans:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             if self.units is not None:
-                samples = [[self.units[i]] for i in torch.randperm(len(self.units), generator=g).tolist()]
+                samples = [
+                    [self.units[i]] for i in torch.randperm(len(self.units), generator=g).tolist()
+                ]
             else:
                 samples = self._packed_plan(torch.randperm(len(self.lengths), generator=g).tolist())
             self._plans = {epoch: samples}  # one epoch at a time is enough for a sequential reader
@@ -94,7 +127,9 @@ class SampleStream:
         full = max(self.lengths, default=0)
         # short sequences (the end of the data) go last, so they cannot shift every later sample off the
         # teacher's sequence boundaries: with --seq-len equal to the cache's, samples are whole sequences
-        for i in [i for i in order if self.lengths[i] == full] + [i for i in order if self.lengths[i] < full]:
+        for i in [i for i in order if self.lengths[i] == full] + [
+            i for i in order if self.lengths[i] < full
+        ]:
             pos = 0
             while pos < self.lengths[i]:
                 take = min(self.seq_len - filled, self.lengths[i] - pos)
@@ -111,7 +146,8 @@ class SampleStream:
         return self.plan(index // self.per_epoch)[index % self.per_epoch]
 
     def _sequence(self, i: int) -> dict:
-        if self._decoded is None or self._decoded[0] != i:  # the last sequence decoded, kept: samples share it
+        # the last sequence decoded, kept: samples share it
+        if self._decoded is None or self._decoded[0] != i:
             self._decoded = (i, self.source[i])
         return self._decoded[1]
 
@@ -120,7 +156,11 @@ class SampleStream:
         pieces = [self._piece(i, a, e) for i, a, e in self.locate(index)]
         out = {name: torch.cat([p[name] for p, _ in pieces]) for name in pieces[0][0]}
         offsets = np.cumsum([0] + [len(p["input_ids"]) for p, _ in pieces])
-        starts = np.concatenate([s + o for (_, s), o in zip(pieces, offsets)]) if self.packing != "cross" else [0]
+        starts = (
+            np.concatenate([s + o for (_, s), o in zip(pieces, offsets)])
+            if self.packing != "cross"
+            else [0]
+        )
         out["position_ids"] = torch.from_numpy(position_ids(len(out["input_ids"]), starts))
         return out
 
@@ -134,14 +174,25 @@ class SampleStream:
         ids = row["input_ids"][a:e]
         starts = row["doc_starts"].numpy()
         starts = np.union1d([0], starts[(starts > a) & (starts < e)] - a)
-        mask = row["row_mask"][a:e].clone() if "row_mask" in row else torch.ones(e - a, dtype=torch.bool)
+        mask = (
+            row["row_mask"][a:e].clone()
+            if "row_mask" in row
+            else torch.ones(e - a, dtype=torch.bool)
+        )
         if self.separator is not None:
-            mask &= ids != self.separator  # the separator's row predicts the next document's first token
+            # the separator's row predicts the next document's first token
+            mask &= ids != self.separator
         labels = torch.full((e - a,), -100, dtype=torch.long)
         labels[:-1] = torch.where(mask[:-1], ids[1:], -100)
-        piece = {"input_ids": ids, "labels": labels, "kd_mask": mask, "teacher_ids": row["teacher_ids"][a:e],
-                 "teacher_logprobs": row["teacher_logprobs"][a:e]}
-        if self.logz_column is not None:  # c_T for the loss's temperature, only where the loss needs it
+        piece = {
+            "input_ids": ids,
+            "labels": labels,
+            "kd_mask": mask,
+            "teacher_ids": row["teacher_ids"][a:e],
+            "teacher_logprobs": row["teacher_logprobs"][a:e],
+        }
+        # c_T for the loss's temperature, only where the loss needs it
+        if self.logz_column is not None:
             piece["teacher_logz"] = row["logz"][a:e, self.logz_column]
         return piece, starts
 
@@ -155,7 +206,9 @@ class SampleStream:
         return collate([self.item(i) for i in range(first_sample, first_sample + size)])
 
 
-def _document_pieces(starts: list[np.ndarray], lengths: list[int], seq_len: int) -> list[tuple[int, int, int]]:
+def _document_pieces(
+    starts: list[np.ndarray], lengths: list[int], seq_len: int
+) -> list[tuple[int, int, int]]:
     """(sequence, first row, end row) of every document in the source, cut into pieces of <= seq_len rows."""
     pieces = []
     for i, (doc_starts, length) in enumerate(zip(starts, lengths)):
@@ -181,16 +234,23 @@ SAMPLE_KEYS = ("input_ids", "position_ids", "labels", "kd_mask", "teacher_ids", 
 
 def _check_sample(sample, i: int) -> None:
     """An item as TopKDataset makes it; anything else is refused with the way to get one (never trained on)."""
-    hint = ("read the cache through topkd.data.TopKDataset (for TRL's SFTTrainer: topkd.hf.as_hf_dataset of one), "
-            "whose items are exactly these")
+    hint = (
+        "read the cache through topkd.data.TopKDataset (for TRL's SFTTrainer: topkd.hf.as_hf_dataset of one), "
+        "whose items are exactly these"
+    )
     if not isinstance(sample, dict):
-        raise ValueError(f"collate: sample {i}: expected a dict of tensors (a TopKDataset item), got "
-                         f"{type(sample).__name__}; {hint}")
+        raise ValueError(
+            f"collate: sample {i}: expected a dict of tensors (a TopKDataset item), got "
+            f"{type(sample).__name__}; {hint}"
+        )
     missing = [k for k in SAMPLE_KEYS if k not in sample]
-    if missing:  # without position_ids, attention would run across the documents packed into a sample
-        raise ValueError(f"collate: sample {i}: expected the keys {list(SAMPLE_KEYS)}, got none of {missing} (keys "
-                         f"{sorted(sample)}); position_ids restart at each document, keeping attention inside it; "
-                         + hint)
+    # without position_ids, attention would run across the documents packed into a sample
+    if missing:
+        raise ValueError(
+            f"collate: sample {i}: expected the keys {list(SAMPLE_KEYS)}, got none of {missing} (keys "
+            f"{sorted(sample)}); position_ids restart at each document, keeping attention inside it; "
+            + hint
+        )
     loose = [k for k, v in sample.items() if not isinstance(v, torch.Tensor)]
     if loose:
         kinds = ", ".join(f"{k}: {type(sample[k]).__name__}" for k in loose)
@@ -203,9 +263,11 @@ def logz_column(source: SequenceSource, temperature: float | None) -> int | None
         return None
     temps = [float(t) for t in source.temperatures]
     if float(temperature) not in temps:
-        raise ValueError(f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
-                         f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "
-                         "--tail renorm")
+        raise ValueError(
+            f"temperature {temperature} with tail='bucket' needs c_T stored in the cache, which has "
+            f"temperatures {temps}; rebuild the cache with --temperatures {temperature:g}, or use "
+            "--tail renorm"
+        )
     return temps.index(float(temperature))
 
 

@@ -15,6 +15,7 @@ label}, answerKey}; HellaSwag {ctx, endings, label}; BoolQ {passage, question, a
 Rows that are none of these (e.g. a header row repeated inside the data) are counted and
 reported as skipped, never scored.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ def load_choice_file(path: str) -> tuple[list[Item], int]:
         else:
             items.append(item)
     if not items:
-        raise ValueError(f"{path}: expected multiple-choice rows (MMLU, ARC, HellaSwag, BoolQ or generic "
-                         f"question/choices/answer), got none of {skipped} rows")
+        raise ValueError(
+            f"{path}: expected multiple-choice rows (MMLU, ARC, HellaSwag, BoolQ or generic "
+            f"question/choices/answer), got none of {skipped} rows"
+        )
     return items, skipped
 
 
@@ -58,28 +61,48 @@ def to_item(row: dict) -> Item | None:
     if "endings" in row and "ctx" in row:  # HellaSwag
         return _item(row["ctx"], [" " + e for e in row["endings"]], row.get("label"))
     if "passage" in row and isinstance(row.get("answer"), bool):  # BoolQ
-        return Item(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:", [" no", " yes"], int(row["answer"]))
+        return Item(
+            f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:",
+            [" no", " yes"],
+            int(row["answer"]),
+        )
     if isinstance(row.get("choices"), dict):  # ARC
         labels = row["choices"].get("label", [])
         answer = labels.index(row["answerKey"]) if row.get("answerKey") in labels else None
-        return _item(f"Question: {row.get('question')}\nAnswer:", [" " + t for t in row["choices"].get("text", [])],
-                     answer)
+        return _item(
+            f"Question: {row.get('question')}\nAnswer:",
+            [" " + t for t in row["choices"].get("text", [])],
+            answer,
+        )
     if isinstance(row.get("choices"), list):  # generic
         answer = row.get("answer", row.get("label"))
         if isinstance(answer, str) and len(answer) == 1 and answer in LETTERS:
             answer = LETTERS.index(answer)
         context = row.get("question", row.get("context"))
-        return _item(f"Question: {context}\nAnswer:", [" " + str(c) for c in row["choices"]], answer)
+        return _item(
+            f"Question: {context}\nAnswer:", [" " + str(c) for c in row["choices"]], answer
+        )
     return None
 
 
 def _lettered(question, options, letter, topic) -> Item | None:
-    if not isinstance(question, str) or not isinstance(letter, str) or letter not in LETTERS[: len(options)]:
+    if (
+        not isinstance(question, str)
+        or not isinstance(letter, str)
+        or letter not in LETTERS[: len(options)]
+    ):
         return None
-    head = f"The following are multiple choice questions (with answers) about {topic}.\n\n" if topic else ""
+    head = (
+        f"The following are multiple choice questions (with answers) about {topic}.\n\n"
+        if topic
+        else ""
+    )
     body = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options))
-    return Item(f"{head}{question}\n{body}\nAnswer:", [f" {LETTERS[i]}" for i in range(len(options))],
-                LETTERS.index(letter))
+    return Item(
+        f"{head}{question}\n{body}\nAnswer:",
+        [f" {LETTERS[i]}" for i in range(len(options))],
+        LETTERS.index(letter),
+    )
 
 
 def _item(context, continuations, answer) -> Item | None:
@@ -104,20 +127,30 @@ def evaluate_choices(model, tokenizer, items: list[Item]) -> dict:
 def score_item(model, tokenizer, item: Item) -> list[float]:
     """Summed log-probability of each continuation after the context (tokens split as lm-eval splits them)."""
     context = tokenizer(item.context, add_special_tokens=False)["input_ids"]
-    wholes = [tokenizer(item.context + c, add_special_tokens=False)["input_ids"] for c in item.continuations]
+    wholes = [
+        tokenizer(item.context + c, add_special_tokens=False)["input_ids"]
+        for c in item.continuations
+    ]
     weight, bias, softcap = model_head(model)
     n = len(context)
     if all(len(w) == n + 1 and w[:n] == context for w in wholes):  # one forward scores every choice
         hidden = _hidden(model, context, weight.device)[-1:]
         targets = torch.tensor([w[n] for w in wholes], device=weight.device)
-        stats = head_stats(hidden.expand(len(wholes), -1), weight, bias, targets=targets, softcap=softcap)
+        stats = head_stats(
+            hidden.expand(len(wholes), -1), weight, bias, targets=targets, softcap=softcap
+        )
         return stats["target_logprob"].tolist()
     scores = []
     for whole in wholes:
-        hidden = _hidden(model, whole, weight.device)[n - 1: -1]
+        hidden = _hidden(model, whole, weight.device)[n - 1 : -1]
         targets = torch.tensor(whole[n:], device=weight.device)
-        scores.append(float(head_stats(hidden, weight, bias, targets=targets, softcap=softcap)["target_logprob"]
-                            .double().sum()))
+        scores.append(
+            float(
+                head_stats(hidden, weight, bias, targets=targets, softcap=softcap)["target_logprob"]
+                .double()
+                .sum()
+            )
+        )
     return scores
 
 

@@ -10,6 +10,7 @@ teacher, top-1 agreement, top-K masses), --choices FILES (accuracy), --lm-eval T
 calibration of the model's top-1 (ECE; --reliability PNG draws it); --teacher DIR adds, on the same text, the
 full-vocabulary KL(teacher || model), TVD and speculative acceptance that a top-K cache cannot show.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,9 +62,9 @@ EVAL_HELP = {
     "lm_eval": "comma-separated lm-eval task names run through lm-evaluation-harness (optional extra)",
     "lm_eval_include": "a directory of your own lm-eval task YAMLs (e.g. tasks on local JSONL files) for --lm-eval",
     "fold_beyond_vocab": "--cache: score a head smaller than the cache's ids (a student trained with "
-                         "--fold-beyond-vocab) with those ids in the tail, as it was trained",
+    "--fold-beyond-vocab) with those ids in the tail, as it was trained",
     "teacher": "--text: the teacher as well (a local HF directory or .gguf, same tokenizer): full-vocabulary "
-               "KL(teacher || model), TVD and speculative acceptance per scored token, which no top-K cache shows",
+    "KL(teacher || model), TVD and speculative acceptance per scored token, which no top-K cache shows",
     "reliability": "--text: write the reliability diagram of the model's top-1 (calibration, ECE) as a PNG here",
     "dtype": "model weights dtype: float32 | bfloat16 | float16",
     "device": "cpu | cuda",
@@ -84,8 +85,10 @@ def check_config(cfg: EvalConfig) -> None:
     if cfg.cache:
         require_path("--cache", cfg.cache, "dir")
     if (cfg.teacher or cfg.reliability) and not cfg.text:
-        raise ValueError(f"--teacher and --reliability go with --text (held-out text both models read), got "
-                         f"teacher={cfg.teacher!r} reliability={cfg.reliability!r} and no --text; add --text FILES")
+        raise ValueError(
+            f"--teacher and --reliability go with --text (held-out text both models read), got "
+            f"teacher={cfg.teacher!r} reliability={cfg.reliability!r} and no --text; add --text FILES"
+        )
     if cfg.teacher:
         require_path("--teacher", cfg.teacher)
     require_ints(cfg, ("seq_len",), 2)
@@ -102,22 +105,34 @@ def run_eval(cfg: EvalConfig) -> dict:
     result = {"model": cfg.name or cfg.model}
     if cfg.text:
         teacher = load_teacher_for(cfg, tokenizer) if cfg.teacher else None
-        result["text"] = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens, teacher=teacher)
+        result["text"] = evaluate_text(
+            model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens, teacher=teacher
+        )
         if cfg.reliability:
-            reliability_plot({"ece": result["text"]["ece"], "bins": result["text"]["calibration"]}, cfg.reliability,
-                             cfg.name or os.path.basename(os.path.normpath(cfg.model)))
+            reliability_plot(
+                {"ece": result["text"]["ece"], "bins": result["text"]["calibration"]},
+                cfg.reliability,
+                cfg.name or os.path.basename(os.path.normpath(cfg.model)),
+            )
             wrote("eval", f"the reliability diagram to {cfg.reliability}")
     if cfg.cache:
         cache = TopKCache(cfg.cache)
         rows = model.get_output_embeddings().weight.shape[0]
-        cache.check_student(max(rows, cache.vocab_size) if cfg.fold_beyond_vocab else rows, tokenizer)
-        result["vs_teacher"] = evaluate_vs_cache(model, cache, cfg.max_sequences, cfg.fold_beyond_vocab)
+        cache.check_student(
+            max(rows, cache.vocab_size) if cfg.fold_beyond_vocab else rows, tokenizer
+        )
+        result["vs_teacher"] = evaluate_vs_cache(
+            model, cache, cfg.max_sequences, cfg.fold_beyond_vocab
+        )
     for path in cfg.choices:
         items, skipped = load_choice_file(path)
         if cfg.limit and cfg.limit < len(items):
             items = random.Random(0).sample(items, cfg.limit)
         name = os.path.splitext(os.path.basename(path))[0]
-        result[f"choices:{name}"] = {**evaluate_choices(model, tokenizer, items), "skipped_rows": skipped}
+        result[f"choices:{name}"] = {
+            **evaluate_choices(model, tokenizer, items),
+            "skipped_rows": skipped,
+        }
     if cfg.lm_eval:
         result["lm_eval"] = run_lm_eval(cfg)
     print(table([result]))
@@ -136,60 +151,96 @@ def load_teacher_for(cfg: EvalConfig, tokenizer):
     teacher, teacher_tokenizer = load_causal_lm(cfg.teacher, cfg.dtype, cfg.device, role="teacher")
     problem = tokenizer_mismatch(teacher_tokenizer, tokenizer)
     if problem:
-        raise ValueError(f"--teacher: expected the model's tokenizer, got different token ids ({problem}); "
-                         "compare a student with its own teacher")
+        raise ValueError(
+            f"--teacher: expected the model's tokenizer, got different token ids ({problem}); "
+            "compare a student with its own teacher"
+        )
     return teacher
 
 
 def run_lm_eval(cfg: EvalConfig) -> dict:
     if not os.path.isdir(cfg.model):
-        raise ValueError(f"--lm-eval: expected a Hugging Face model directory, got {cfg.model!r}; save a GGUF "
-                         "model with save_pretrained first (topkd demo does this for its teacher)")
+        raise ValueError(
+            f"--lm-eval: expected a Hugging Face model directory, got {cfg.model!r}; save a GGUF "
+            "model with save_pretrained first (topkd demo does this for its teacher)"
+        )
     if cfg.lm_eval_include and not os.path.isdir(cfg.lm_eval_include):
-        raise ValueError(f"--lm-eval-include: expected a directory of lm-eval task YAMLs, got {cfg.lm_eval_include!r}")
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # topkd never downloads: no minutes of hub retries
+        raise ValueError(
+            f"--lm-eval-include: expected a directory of lm-eval task YAMLs, got {cfg.lm_eval_include!r}"
+        )
+    # topkd never downloads: no minutes of hub retries
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(name, "1")
     try:
         import lm_eval
     except ImportError as e:
-        raise ValueError("--lm-eval: expected lm-evaluation-harness, got no lm_eval module; install the extra: "
-                         "pip install 'topkd[eval]'") from e
+        raise ValueError(
+            "--lm-eval: expected lm-evaluation-harness, got no lm_eval module; install the extra: "
+            "pip install 'topkd[eval]'"
+        ) from e
     from lm_eval.tasks import TaskManager
 
     tasks = TaskManager(include_path=cfg.lm_eval_include or None)
     try:
-        out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={cfg.model},dtype={cfg.dtype}",
-                                      tasks=cfg.lm_eval, device=cfg.device, limit=cfg.limit or None,
-                                      task_manager=tasks)
+        out = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={cfg.model},dtype={cfg.dtype}",
+            tasks=cfg.lm_eval,
+            device=cfg.device,
+            limit=cfg.limit or None,
+            task_manager=tasks,
+        )
     except Exception as e:  # noqa: BLE001 - the harness raises whatever its data loaders raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ValueError(f"--lm-eval {','.join(cfg.lm_eval)}: the harness could not run it offline "
-                         f"({type(e).__name__}: {first}); topkd never downloads: give the task's data as local "
-                         "files with a task YAML in --lm-eval-include DIR (README, Evaluation)") from None
-    return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-            for task, metrics in out["results"].items()}
+        raise ValueError(
+            f"--lm-eval {','.join(cfg.lm_eval)}: the harness could not run it offline "
+            f"({type(e).__name__}: {first}); topkd never downloads: give the task's data as local "
+            "files with a task YAML in --lm-eval-include DIR (README, Evaluation)"
+        ) from None
+    return {
+        task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        for task, metrics in out["results"].items()
+    }
 
 
-ROWS = [("text", "bits_per_byte", "bits/byte"), ("text", "perplexity", "ppl"), ("text", "ece", "ECE"),
-        ("text", "kl_full", "KL full vocab"), ("text", "acceptance", "acceptance"),
-        ("vs_teacher", "kl_bucket", "KL bucket"),
-        ("vs_teacher", "kl_renorm", "KL renorm"), ("vs_teacher", "top1_agreement", "top-1 agree"),
-        ("vs_teacher", "student_mass_on_topk", "mass on top-K"),
-        ("vs_teacher", "acceptance_upper_bound", "accept <= (cache)")]
+ROWS = [
+    ("text", "bits_per_byte", "bits/byte"),
+    ("text", "perplexity", "ppl"),
+    ("text", "ece", "ECE"),
+    ("text", "kl_full", "KL full vocab"),
+    ("text", "acceptance", "acceptance"),
+    ("vs_teacher", "kl_bucket", "KL bucket"),
+    ("vs_teacher", "kl_renorm", "KL renorm"),
+    ("vs_teacher", "top1_agreement", "top-1 agree"),
+    ("vs_teacher", "student_mass_on_topk", "mass on top-K"),
+    ("vs_teacher", "acceptance_upper_bound", "accept <= (cache)"),
+]
 
 
 def table(results: list[dict]) -> str:
     """One column per model; rows for every measure any of them has."""
     names = [r["model"][-24:] for r in results]
     keys = [(s, k, label) for s, k, label in ROWS if any(k in r.get(s, {}) for r in results)]
-    keys += [(s, "acc", s.split(":", 1)[1] + " acc") for s in dict.fromkeys(
-        s for r in results for s in r if s.startswith("choices:"))]
-    keys += [(f"lm_eval:{task}", metric, f"{task} {metric.split(',')[0]}") for task, metric in dict.fromkeys(
-        (t, m) for r in results for t, ms in r.get("lm_eval", {}).items() for m in ms if "stderr" not in m)]
+    keys += [
+        (s, "acc", s.split(":", 1)[1] + " acc")
+        for s in dict.fromkeys(s for r in results for s in r if s.startswith("choices:"))
+    ]
+    keys += [
+        (f"lm_eval:{task}", metric, f"{task} {metric.split(',')[0]}")
+        for task, metric in dict.fromkeys(
+            (t, m)
+            for r in results
+            for t, ms in r.get("lm_eval", {}).items()
+            for m in ms
+            if "stderr" not in m
+        )
+    ]
     lines = [f"{'':<16}" + "".join(f"{n:>26}" for n in names)]
     for section, key, label in keys:
         cells = [_cell(r, section, key) for r in results]
-        lines.append(f"{label:<16}" + "".join(f"{'-' if c is None else f'{c:.4f}':>26}" for c in cells))
+        lines.append(
+            f"{label:<16}" + "".join(f"{'-' if c is None else f'{c:.4f}':>26}" for c in cells)
+        )
     return "\n".join(lines)
 
 

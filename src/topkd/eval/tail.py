@@ -10,6 +10,7 @@ student distilled towards a teacher's top-K is pushed into the head and comes ou
 confidence exceeds its accuracy in the upper bins (Anshumann et al., ACL 2025). Full-vocabulary KL and
 acceptance (sum_v min(p_v, q_v) = 1 - TVD) are per scored token: topkd/eval/heads.py:paired_divergences.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,10 @@ def calibration(confidence: np.ndarray, correct: np.ndarray, bins: int = CALIBRA
     """{"ece", "bins": [{lo, hi, count, confidence, accuracy}]} of top-1 confidences in [0, 1] and their hits."""
     confidence, correct = np.asarray(confidence, np.float64), np.asarray(correct, bool)
     if confidence.shape != correct.shape or confidence.ndim != 1 or not len(confidence):
-        raise ValueError(f"calibration: expected two equal non-empty 1-D arrays, got {confidence.shape} and "
-                         f"{correct.shape}")
+        raise ValueError(
+            f"calibration: expected two equal non-empty 1-D arrays, got {confidence.shape} and "
+            f"{correct.shape}"
+        )
     edges = np.linspace(0.0, 1.0, bins + 1)
     which = np.clip(np.searchsorted(edges, confidence, side="right") - 1, 0, bins - 1)
     table, ece = [], 0.0
@@ -33,8 +36,15 @@ def calibration(confidence: np.ndarray, correct: np.ndarray, bins: int = CALIBRA
         acc = float(correct[inside].mean()) if n else None
         if n:
             ece += n / len(confidence) * abs(acc - conf)
-        table.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "count": n, "confidence": conf,
-                      "accuracy": acc})
+        table.append(
+            {
+                "lo": float(edges[b]),
+                "hi": float(edges[b + 1]),
+                "count": n,
+                "confidence": conf,
+                "accuracy": acc,
+            }
+        )
     return {"ece": ece, "bins": table}
 
 
@@ -46,17 +56,34 @@ def reliability_plot(calib: dict, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     full = [b for b in calib["bins"] if b["count"]]
-    fig, (ax, counts) = plt.subplots(2, 1, figsize=(5, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    fig, (ax, counts) = plt.subplots(
+        2, 1, figsize=(5, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     width = calib["bins"][0]["hi"] - calib["bins"][0]["lo"]
-    ax.bar([b["lo"] for b in full], [b["accuracy"] for b in full], width=width, align="edge", alpha=0.7,
-           edgecolor="k", label="accuracy of the top-1")
+    ax.bar(
+        [b["lo"] for b in full],
+        [b["accuracy"] for b in full],
+        width=width,
+        align="edge",
+        alpha=0.7,
+        edgecolor="k",
+        label="accuracy of the top-1",
+    )
     ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
-    ax.plot([b["confidence"] for b in full], [b["accuracy"] for b in full], "o", ms=3, color="C3",
-            label="(mean confidence, accuracy)")
+    ax.plot(
+        [b["confidence"] for b in full],
+        [b["accuracy"] for b in full],
+        "o",
+        ms=3,
+        color="C3",
+        label="(mean confidence, accuracy)",
+    )
     ax.set_ylabel("accuracy")
     ax.set_title(f"{title}: ECE {calib['ece']:.4f}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
-    counts.bar([b["lo"] for b in full], [b["count"] for b in full], width=width, align="edge", color="grey")
+    counts.bar(
+        [b["lo"] for b in full], [b["count"] for b in full], width=width, align="edge", color="grey"
+    )
     counts.set_yscale("log")
     counts.set_xlabel("top-1 confidence")
     counts.set_ylabel("tokens")

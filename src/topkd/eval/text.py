@@ -14,6 +14,7 @@ and the bytes are those of the assistant tokens. Every run also reports the cali
 (ECE, topkd/eval/tail.py); with a live teacher of the same tokenizer, the full-vocabulary KL(teacher || model),
 TVD and speculative acceptance (1 - TVD) per scored token, which a top-K cache cannot give.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,15 @@ from topkd.progress import track
 
 
 @torch.no_grad()
-def evaluate_text(model, tokenizer, paths: list[str], seq_len: int = 1024, max_tokens: int = 0,
-                  text_field: str = "text", teacher=None) -> dict:
+def evaluate_text(
+    model,
+    tokenizer,
+    paths: list[str],
+    seq_len: int = 1024,
+    max_tokens: int = 0,
+    text_field: str = "text",
+    teacher=None,
+) -> dict:
     """teacher: a model of the same tokenizer (the student's teacher, live): adds full-vocabulary KL, TVD and
     speculative acceptance per scored token. Calibration (ECE) of the model's own top-1 always."""
     documents, text_bytes = _documents(paths, tokenizer, text_field, max_tokens)
@@ -41,7 +49,9 @@ def evaluate_text(model, tokenizer, paths: list[str], seq_len: int = 1024, max_t
     confidence, correct, counted = [], [], 0
     for seq in track(sequences, desc="eval text", unit="seq"):
         ids = torch.from_numpy(seq.tokens)[None].to(weight.device)
-        pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(weight.device)
+        pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(
+            weight.device
+        )
         scored = _scored_rows(len(seq.tokens), seq.doc_starts)
         if seq.row_mask is not None:  # chat: only rows whose next token is an assistant target
             scored &= torch.from_numpy(seq.row_mask[:-1])
@@ -53,18 +63,32 @@ def evaluate_text(model, tokenizer, paths: list[str], seq_len: int = 1024, max_t
         correct.append((stats["argmax"] == targets).cpu())
         if teacher is not None:
             pair = _against_teacher(teacher, ids, pos, scored, hidden, (weight, bias, softcap))
-            sums["kl"], sums["tvd"] = sums["kl"] + float(pair["kl"].sum()), sums["tvd"] + float(pair["tvd"].sum())
+            sums["kl"], sums["tvd"] = (
+                sums["kl"] + float(pair["kl"].sum()),
+                sums["tvd"] + float(pair["tvd"].sum()),
+            )
         counted += int(scored.sum())
     if counted == 0:
-        raise ValueError(f"text: expected documents of at least 2 tokens, got nothing to score in {paths}")
+        raise ValueError(
+            f"text: expected documents of at least 2 tokens, got nothing to score in {paths}"
+        )
     nll = sums["nll"]
-    result = {"tokens": sum(len(whole(d)) for d in documents), "scored_tokens": counted, "bytes": text_bytes,
-              "nll_per_token": nll / counted, "perplexity": math.exp(nll / counted),
-              "bits_per_byte": nll / math.log(2) / text_bytes}
+    result = {
+        "tokens": sum(len(whole(d)) for d in documents),
+        "scored_tokens": counted,
+        "bytes": text_bytes,
+        "nll_per_token": nll / counted,
+        "perplexity": math.exp(nll / counted),
+        "bits_per_byte": nll / math.log(2) / text_bytes,
+    }
     calib = calibration(torch.cat(confidence).numpy(), torch.cat(correct).numpy())
     result.update(ece=calib["ece"], calibration=calib["bins"])
     if teacher is not None:
-        result.update(kl_full=sums["kl"] / counted, tvd=sums["tvd"] / counted, acceptance=1 - sums["tvd"] / counted)
+        result.update(
+            kl_full=sums["kl"] / counted,
+            tvd=sums["tvd"] / counted,
+            acceptance=1 - sums["tvd"] / counted,
+        )
     return result
 
 
@@ -75,11 +99,17 @@ def _against_teacher(teacher, ids, pos, scored, hidden, student_head) -> dict:
     vocab = t_weight.shape[0]
     weight, bias, softcap = student_head
     if weight.shape[0] < vocab:
-        raise ValueError(f"--teacher: expected a student head with at least the teacher's {vocab} rows, got "
-                         f"{weight.shape[0]}; full-vocabulary KL needs both distributions over one vocabulary")
-    t_hidden = final_hidden(teacher, ids.to(t_weight.device), pos.to(t_weight.device))[0][:-1][scored]
+        raise ValueError(
+            f"--teacher: expected a student head with at least the teacher's {vocab} rows, got "
+            f"{weight.shape[0]}; full-vocabulary KL needs both distributions over one vocabulary"
+        )
+    t_hidden = final_hidden(teacher, ids.to(t_weight.device), pos.to(t_weight.device))[0][:-1][
+        scored
+    ]
     student = (weight[:vocab], None if bias is None else bias[:vocab], softcap)
-    return paired_divergences(hidden, student, t_hidden.to(weight.device), (t_weight, t_bias, t_softcap))
+    return paired_divergences(
+        hidden, student, t_hidden.to(weight.device), (t_weight, t_bias, t_softcap)
+    )
 
 
 def _scored_rows(length: int, doc_starts: np.ndarray) -> torch.Tensor:
@@ -93,13 +123,19 @@ def _documents(paths, tokenizer, text_field, max_tokens):
     docs, total, text_bytes = [], 0, 0
     for doc in iter_documents(paths, tokenizer, text_field):
         if isinstance(doc, list):
-            raise ValueError("text: expected text documents (.txt or .jsonl), got a 2-D .npy of ready-made "
-                             "sequences, whose text bytes are unknown; evaluate the text it came from")
+            raise ValueError(
+                "text: expected text documents (.txt or .jsonl), got a 2-D .npy of ready-made "
+                "sequences, whose text bytes are unknown; evaluate the text it came from"
+            )
         doc = doc if isinstance(doc, ChatDocument) else whole(doc)
         tokens = whole(doc)
         if max_tokens and total + len(tokens) > max_tokens:
             keep = max_tokens - total
-            doc = ChatDocument(doc.tokens[:keep], doc.targets[:keep]) if isinstance(doc, ChatDocument) else doc[:keep]
+            doc = (
+                ChatDocument(doc.tokens[:keep], doc.targets[:keep])
+                if isinstance(doc, ChatDocument)
+                else doc[:keep]
+            )
             tokens = whole(doc)
         docs.append(doc)
         scored_text = tokens[doc.targets] if isinstance(doc, ChatDocument) else tokens

@@ -16,6 +16,7 @@ kl_bucket comes from topkd.fused_linear_kd itself (no gradient), the loss the st
 Both are 0 for the teacher itself up to the cache's quantisation (the renorm *training* loss is
 not: it compares the renormalised teacher with the student's full softmax).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,9 @@ from topkd.models import final_hidden, model_head
 from topkd.progress import track
 
 
-def acceptance_bound(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor) -> torch.Tensor:
+def acceptance_bound(
+    teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor
+) -> torch.Tensor:
     """[N]: sum_k min(p_k, q_k) over the cached ids plus min of the two tails. Each tail token's min(p_v, q_v)
     sums to at most the min of the tail masses, so this bounds the true acceptance from above."""
     p, q = teacher_logprobs.exp(), student_logprobs.exp()
@@ -38,32 +41,47 @@ def acceptance_bound(teacher_logprobs: torch.Tensor, student_logprobs: torch.Ten
 
 
 @torch.no_grad()
-def evaluate_vs_cache(model, cache: TopKCache, max_sequences: int = 0, fold_beyond_vocab: bool = False) -> dict:
+def evaluate_vs_cache(
+    model, cache: TopKCache, max_sequences: int = 0, fold_beyond_vocab: bool = False
+) -> dict:
     """fold_beyond_vocab: a head smaller than the cache's ids (trained with --fold-beyond-vocab) is scored with those
     ids folded into the tail, as it was trained (topkd/loss/fold.py): its probability on them is 0."""
     stream = SampleStream(cache, cache.seq_len, seed=0)
     weight, bias, softcap = model_head(model)
-    weight = weight[: cache.vocab_size]  # padded student rows are not part of its distribution over V
+    # padded student rows are not part of its distribution over V
+    weight = weight[: cache.vocab_size]
     bias = None if bias is None else bias[: cache.vocab_size]
     if softcap:
-        raise ValueError("eval against a cache: expected a model without final logit soft-capping (the KD loss "
-                         "has no soft-capping of the student), got final_logit_softcapping="
-                         f"{softcap}; evaluate it on text instead")
+        raise ValueError(
+            "eval against a cache: expected a model without final logit soft-capping (the KD loss "
+            "has no soft-capping of the student), got final_logit_softcapping="
+            f"{softcap}; evaluate it on text instead"
+        )
     n = min(stream.per_epoch, max_sequences) if max_sequences else stream.per_epoch
-    sums = {"kl_bucket": 0.0, "kl_renorm": 0.0, "top1_agreement": 0.0, "teacher_topk_mass": 0.0,
-            "student_mass_on_topk": 0.0, "acceptance_upper_bound": 0.0}
+    sums = {
+        "kl_bucket": 0.0,
+        "kl_renorm": 0.0,
+        "top1_agreement": 0.0,
+        "teacher_topk_mass": 0.0,
+        "student_mass_on_topk": 0.0,
+        "acceptance_upper_bound": 0.0,
+    }
     counted = 0
     for i in track(range(n), desc="eval vs cache", unit="seq"):
         sample = {k: v.to(weight.device) for k, v in stream.sample(i).items()}
         mask = sample["kd_mask"]
         if not mask.any():
             continue
-        hidden = final_hidden(model, sample["input_ids"][None], sample["position_ids"][None])[0][mask]
+        hidden = final_hidden(model, sample["input_ids"][None], sample["position_ids"][None])[0][
+            mask
+        ]
         ids, logprobs = sample["teacher_ids"][mask], sample["teacher_logprobs"][mask]
         w, b = weight, bias
         if fold_beyond_vocab:
             w, b, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
-        sums["kl_bucket"] += float(fused_linear_kd(hidden, w, ids, logprobs, bias=b, reduction="sum"))
+        sums["kl_bucket"] += float(
+            fused_linear_kd(hidden, w, ids, logprobs, bias=b, reduction="sum")
+        )
         stats = head_stats(hidden, w, b, teacher_ids=ids)
         student = stats["logprobs_at_teacher_ids"].double()
         teacher = logprobs.double()

@@ -1,4 +1,5 @@
 """topkd.loss: the fused top-K distillation loss and its two baselines (see docs/loss.md)."""
+
 from topkd.loss.api import KDLoss, fused_linear_kd, kd_loss
 from topkd.loss.divergences import DIVERGENCES, Buckets
 from topkd.loss.fused import DEFAULT_CHUNK_BYTES, release_workspace
@@ -6,5 +7,15 @@ from topkd.loss.options import LossOptions
 from topkd.loss.parts import loss_parts
 from topkd.loss.vocab_parallel import VocabParallel
 
-__all__ = ["fused_linear_kd", "kd_loss", "KDLoss", "LossOptions", "loss_parts", "VocabParallel", "DIVERGENCES",
-           "Buckets", "release_workspace", "DEFAULT_CHUNK_BYTES"]
+__all__ = [
+    "fused_linear_kd",
+    "kd_loss",
+    "KDLoss",
+    "LossOptions",
+    "loss_parts",
+    "VocabParallel",
+    "DIVERGENCES",
+    "Buckets",
+    "release_workspace",
+    "DEFAULT_CHUNK_BYTES",
+]

@@ -5,6 +5,7 @@
 hidden [N, H] or [B, T, H]; weight [V, H]; teacher_ids / teacher_logprobs [..., K] (log p at
 T=1 over the full teacher vocabulary). See docs/loss.md for the math and every option.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,44 +60,108 @@ def fused_linear_kd(
     projection; the loss and its gradients are those of the capped logits.
     Under torch.autocast the loss still computes in its inputs' dtypes: it picks its own precision.
     """
-    options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size, softcap)
-    return kd_loss(hidden, weight, teacher_ids, teacher_logprobs, options, mask=mask, teacher_logz=teacher_logz,
-                   labels=labels, bias=bias, vocab_parallel=vocab_parallel)
+    options = LossOptions(
+        divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size, softcap
+    )
+    return kd_loss(
+        hidden,
+        weight,
+        teacher_ids,
+        teacher_logprobs,
+        options,
+        mask=mask,
+        teacher_logz=teacher_logz,
+        labels=labels,
+        bias=bias,
+        vocab_parallel=vocab_parallel,
+    )
 
 
-def kd_loss(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, options: LossOptions, *,
-            mask: Tensor | None = None, teacher_logz: Tensor | None = None, labels: Tensor | None = None,
-            bias: Tensor | None = None, vocab_parallel: VocabParallel | None = None) -> Tensor:
+def kd_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    options: LossOptions,
+    *,
+    mask: Tensor | None = None,
+    teacher_logz: Tensor | None = None,
+    labels: Tensor | None = None,
+    bias: Tensor | None = None,
+    vocab_parallel: VocabParallel | None = None,
+) -> Tensor:
     """fused_linear_kd with its options already gathered in a (validated) LossOptions; the impl is chosen here."""
-    device_type = hidden.device.type if isinstance(hidden, Tensor) else "meta"  # not a tensor: refused inside
-    no_autocast = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
-        else contextlib.nullcontext()  # meta (cost-model traces) has no autocast
+    # not a tensor: refused inside
+    device_type = hidden.device.type if isinstance(hidden, Tensor) else "meta"
+    # meta (cost-model traces) has no autocast
+    no_autocast = (
+        torch.autocast(device_type, enabled=False)
+        if torch.amp.is_autocast_available(device_type)
+        else contextlib.nullcontext()
+    )
     with no_autocast:  # autocast's bf16 GEMMs would mix dtypes in dX/dW
-        return _dispatch(hidden, weight, teacher_ids, teacher_logprobs, options, mask, teacher_logz, labels, bias,
-                         vocab_parallel)
+        return _dispatch(
+            hidden,
+            weight,
+            teacher_ids,
+            teacher_logprobs,
+            options,
+            mask,
+            teacher_logz,
+            labels,
+            bias,
+            vocab_parallel,
+        )
 
 
-def _dispatch(hidden, weight, teacher_ids, teacher_logprobs, options: LossOptions, mask, teacher_logz, labels, bias,
-              vocab_parallel) -> Tensor:
+def _dispatch(
+    hidden,
+    weight,
+    teacher_ids,
+    teacher_logprobs,
+    options: LossOptions,
+    mask,
+    teacher_logz,
+    labels,
+    bias,
+    vocab_parallel,
+) -> Tensor:
     impl = options.impl
     if impl == "triton":
         from topkd.loss import triton_chunk  # Triton is imported only where it is asked for
 
         triton_chunk.check_inputs(hidden.dtype, options.ce_weight, float(options.temperature))
     if vocab_parallel is not None and impl != "fused":
-        raise ValueError(f"vocab_parallel: expected impl='fused' (the driver that shards the vocabulary), got "
-                         f"impl={impl!r}")
+        raise ValueError(
+            f"vocab_parallel: expected impl='fused' (the driver that shards the vocabulary), got "
+            f"impl={impl!r}"
+        )
     vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel.vocab_size
-    x, plan = prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options, vocab)
+    x, plan = prepare(
+        hidden,
+        weight,
+        bias,
+        teacher_ids,
+        teacher_logprobs,
+        mask,
+        teacher_logz,
+        labels,
+        options,
+        vocab,
+    )
     if impl in ("fused", "triton"):
         if vocab_parallel is not None:  # the torch passes: the Triton kernels see whole rows only
-            plan = replace(plan, vocab=shard_for(vocab_parallel, weight, len(plan.rows), plan.chunk))
+            plan = replace(
+                plan, vocab=shard_for(vocab_parallel, weight, len(plan.rows), plan.chunk)
+            )
         else:
             plan = replace(plan, kernels=kernels_for(impl, hidden, plan.spec))
         return run_fused(x, weight, bias, plan, hidden.shape[:-1])
     counted = x if plan.row_index is None else x.index_select(0, plan.row_index)
     if impl == "chunked":
-        loss = chunked_linear_kd(counted, weight, bias, plan.rows, plan.spec, options.reduction, plan.chunk)
+        loss = chunked_linear_kd(
+            counted, weight, bias, plan.rows, plan.spec, options.reduction, plan.chunk
+        )
     else:
         loss = dense_linear_kd(counted, weight, bias, plan.rows, plan.spec, options.reduction)
     if options.reduction != "none":
@@ -115,8 +180,11 @@ def kernels_for(impl: str, hidden: Tensor, spec: LossSpec) -> Kernels:
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"{KERNELS_ENV}: expected auto, torch or triton, got {choice!r}")
     if choice == "auto":
-        covered = hidden.device.type in ("cuda", "meta") and hidden.dtype != torch.float64 and \
-            not (spec.ce_weight > 0 and spec.temperature != 1.0)
+        covered = (
+            hidden.device.type in ("cuda", "meta")
+            and hidden.dtype != torch.float64
+            and not (spec.ce_weight > 0 and spec.temperature != 1.0)
+        )
         choice = "triton" if covered and _triton_here(hidden.device.type) else "torch"
     if choice == "torch":
         return TORCH_KERNELS
@@ -130,43 +198,83 @@ def _triton_here(device_type: str) -> bool:
 
     problem = triton_chunk.available()
     if problem and device_type == "cuda":
-        warnings.warn(f"impl='fused' on CUDA runs its softmax passes as torch ops (~15% slower): {problem}",
-                      stacklevel=4)
+        warnings.warn(
+            f"impl='fused' on CUDA runs its softmax passes as torch ops (~15% slower): {problem}",
+            stacklevel=4,
+        )
     return problem is None
 
 
-def run_fused(x: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan, lead: torch.Size) -> Tensor:
+def run_fused(
+    x: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan, lead: torch.Size
+) -> Tensor:
     """The fused driver under autograd on prepare()'s outputs; "none" is scattered back to shape `lead`."""
-    grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    grad_wanted = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
+    )
     loss = FusedLinearKD.apply(x, weight, bias, replace(plan, grad_wanted=grad_wanted))
-    return loss if plan.spec.reduction != "none" else scatter_tokens(loss, plan.row_index, x.shape[0]).reshape(lead)
+    return (
+        loss
+        if plan.spec.reduction != "none"
+        else scatter_tokens(loss, plan.row_index, x.shape[0]).reshape(lead)
+    )
 
 
-def prepare(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, options: LossOptions,
-            vocab: int) -> tuple[Tensor, Plan]:
+def prepare(
+    hidden,
+    weight,
+    bias,
+    teacher_ids,
+    teacher_logprobs,
+    mask,
+    teacher_logz,
+    labels,
+    options: LossOptions,
+    vocab: int,
+) -> tuple[Tensor, Plan]:
     """Validate, then (the 2-D hidden, the call's Plan: counted rows, their TeacherRows, LossSpec, chunk rows).
     vocab is the full vocabulary; weight may hold only some of its rows (vocab-parallel)."""
-    validate.check_shapes(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, vocab)
+    validate.check_shapes(
+        hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, vocab
+    )
     options.check_inputs(teacher_logz is not None, labels is not None)
     k = teacher_ids.shape[-1]
     x = hidden.reshape(-1, hidden.shape[-1])
     row_index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
     if row_index is not None and row_index.numel() == x.shape[0]:
         row_index = None  # nothing masked: contiguous slices, no gathers
-    rows = _counted_rows(teacher_ids, teacher_logprobs, teacher_logz, labels if options.needs_labels else None,
-                         row_index, k)
-    validate.check_values(rows.ids, rows.logprobs, rows.logz, rows.labels, vocab, options.tail,
-                          float(options.temperature))
+    rows = _counted_rows(
+        teacher_ids,
+        teacher_logprobs,
+        teacher_logz,
+        labels if options.needs_labels else None,
+        row_index,
+        k,
+    )
+    validate.check_values(
+        rows.ids,
+        rows.logprobs,
+        rows.logz,
+        rows.labels,
+        vocab,
+        options.tail,
+        float(options.temperature),
+    )
     rows = with_padding(rows)  # variable K: -inf entries are padding
     spec = LossSpec(**options.kwargs(), full_support=(k == vocab and rows.padding is None))
-    chunk = options.chunk_size or chunk_rows(weight.shape[0], hidden.dtype, spec, rows.labels is not None,
-                                             hidden.device.type)
+    chunk = options.chunk_size or chunk_rows(
+        weight.shape[0], hidden.dtype, spec, rows.labels is not None, hidden.device.type
+    )
     return x, Plan(row_index, rows, spec, chunk)
 
 
 def _counted_rows(ids, logprobs, logz, labels, row_index, k) -> TeacherRows:
-    rows = TeacherRows(ids.reshape(-1, k), logprobs.reshape(-1, k), None if logz is None else logz.reshape(-1),
-                       None if labels is None else labels.reshape(-1))
+    rows = TeacherRows(
+        ids.reshape(-1, k),
+        logprobs.reshape(-1, k),
+        None if logz is None else logz.reshape(-1),
+        None if labels is None else labels.reshape(-1),
+    )
     return rows if row_index is None else rows.map(lambda t: t.index_select(0, row_index))
 
 
@@ -179,18 +287,49 @@ def scatter_tokens(per_token: Tensor, row_index: Tensor | None, n_all: int) -> T
 class KDLoss(nn.Module):
     """nn.Module over fused_linear_kd; options fixed (and validated) at construction, tensors per call."""
 
-    def __init__(self, *, divergence: str = "kl", tail: str = "bucket", temperature: float = 1.0,
-                 beta: float = 0.5, ce_weight: float = 0.0, reduction: str = "mean", impl: str = "fused",
-                 chunk_size: int | None = None, softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        divergence: str = "kl",
+        tail: str = "bucket",
+        temperature: float = 1.0,
+        beta: float = 0.5,
+        ce_weight: float = 0.0,
+        reduction: str = "mean",
+        impl: str = "fused",
+        chunk_size: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
-        self.options = LossOptions(divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size,
-                                   softcap)
+        self.options = LossOptions(
+            divergence, tail, temperature, beta, ce_weight, reduction, impl, chunk_size, softcap
+        )
 
-    def forward(self, hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
-                mask: Tensor | None = None, teacher_logz: Tensor | None = None, labels: Tensor | None = None,
-                bias: Tensor | None = None, vocab_parallel: VocabParallel | None = None) -> Tensor:
-        return kd_loss(hidden, weight, teacher_ids, teacher_logprobs, self.options, mask=mask,
-                       teacher_logz=teacher_logz, labels=labels, bias=bias, vocab_parallel=vocab_parallel)
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        teacher_ids: Tensor,
+        teacher_logprobs: Tensor,
+        *,
+        mask: Tensor | None = None,
+        teacher_logz: Tensor | None = None,
+        labels: Tensor | None = None,
+        bias: Tensor | None = None,
+        vocab_parallel: VocabParallel | None = None,
+    ) -> Tensor:
+        return kd_loss(
+            hidden,
+            weight,
+            teacher_ids,
+            teacher_logprobs,
+            self.options,
+            mask=mask,
+            teacher_logz=teacher_logz,
+            labels=labels,
+            bias=bias,
+            vocab_parallel=vocab_parallel,
+        )
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.kwargs().items())

@@ -15,6 +15,7 @@ With a VocabShard, z holds only this process's columns of the vocabulary (a tens
 lm_head): the row max, the id and label logits and the sums are combined across the group
 (all_reduce), so every process sees the same buckets, and each writes dL/dz for its columns.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,9 @@ class TeacherRows:
     logprobs: Tensor  # [n, K] float, log p at T=1
     logz: Tensor | None  # [n] c_T, or None
     labels: Tensor | None  # [n] int64 with -100 ignored, or None when CE is off
-    padding: Tensor | None = None  # [n, K] bool: entries with log-prob -inf (variable K); their ids alias the
+    padding: Tensor | None = (
+        None  # [n, K] bool: entries with log-prob -inf (variable K); their ids alias the
+    )
     #                                row's first real id, so every pass over ids stays a plain gather/scatter
 
     def __len__(self) -> int:
@@ -52,8 +55,12 @@ class TeacherRows:
 
     def map(self, fn: Callable[[Tensor], Tensor]) -> "TeacherRows":
         """fn applied to every tensor present (None stays None): a slice, a row selection."""
-        return TeacherRows(*(None if t is None else fn(t)
-                             for t in (self.ids, self.logprobs, self.logz, self.labels, self.padding)))
+        return TeacherRows(
+            *(
+                None if t is None else fn(t)
+                for t in (self.ids, self.logprobs, self.logz, self.labels, self.padding)
+            )
+        )
 
     def slice(self, start: int, end: int) -> "TeacherRows":
         return self.map(lambda t: t[start:end])
@@ -135,7 +142,11 @@ class VocabShard(LocalVocab):
 
     def put(self, z: Tensor, ids: Tensor, values: Tensor | float, accumulate: bool = False) -> None:
         row, col, k = self.held(ids)
-        src = values[row, k] if isinstance(values, Tensor) else torch.tensor(values, dtype=z.dtype, device=z.device)
+        src = (
+            values[row, k]
+            if isinstance(values, Tensor)
+            else torch.tensor(values, dtype=z.dtype, device=z.device)
+        )
         z.index_put_((row, col), src, accumulate=accumulate)
 
     def row_max(self, z: Tensor, out: Tensor | None = None) -> Tensor:
@@ -147,7 +158,9 @@ class VocabShard(LocalVocab):
     def all_reduce(self, t: Tensor, op: str) -> Tensor:
         import torch.distributed as dist
 
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(
+            t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group
+        )
         return t
 
     def blocks(self, z: Tensor) -> list[tuple[int, int]]:
@@ -198,8 +211,13 @@ def chunk_step(
     label = _label_terms(z, rows.labels, temp, vocab)  # before the tempered pass overwrites z
     student = _student_buckets(z, ids, rows.padding, temp, vocab, kernels)
     ce = None if label is None else _cross_entropy(label, rows.labels, student)
-    p, log_p = teacher_buckets(rows.logprobs.to(z.dtype), None if rows.logz is None else rows.logz.to(z.dtype),
-                               spec.tail, temp, spec.full_support)
+    p, log_p = teacher_buckets(
+        rows.logprobs.to(z.dtype),
+        None if rows.logz is None else rows.logz.to(z.dtype),
+        spec.tail,
+        temp,
+        spec.full_support,
+    )
     divergence, scale = DIVERGENCES[spec.divergence], temp * temp
     if kd_weight is None:
         return divergence(make_buckets(p, log_p, student.log_q), spec.beta) * scale, ce
@@ -223,7 +241,9 @@ class _LabelTerms:
     index: Tensor  # [C, 1] label ids, ignored ones (-100) clamped to 0
     logit: Tensor  # [C] z at the label
     untempered: Tensor | None = None  # T != 1: exp(z - max) over the row, a second [C, V] buffer
-    total: Tensor | None = None  # [C] the untempered softmax's denominator (at T == 1: the student's own)
+    total: Tensor | None = (
+        None  # [C] the untempered softmax's denominator (at T == 1: the student's own)
+    )
     lse: Tensor | None = None  # [C] its logsumexp
 
 
@@ -264,10 +284,12 @@ class _Student:
     log_q: Tensor  # [C, K+1] log q at the ids, then the tail
 
 
-def _student_buckets(z: Tensor, ids: Tensor, padding: Tensor | None, temp: float, vocab: Vocab,
-                     kernels: "Kernels") -> _Student:
+def _student_buckets(
+    z: Tensor, ids: Tensor, padding: Tensor | None, temp: float, vocab: Vocab, kernels: "Kernels"
+) -> _Student:
     m, z_ids, tail_sum, total = kernels.softmax_stats(z, ids, temp, vocab)
-    if padding is not None:  # an alias of a real id is no outcome of the student: no mass, no share of the total
+    # an alias of a real id is no outcome of the student: no mass, no share of the total
+    if padding is not None:
         z_ids = z_ids.masked_fill(padding, -math.inf)
         total = tail_sum + z_ids.exp().sum(dim=1)
     log_total = total.log()
@@ -279,8 +301,9 @@ def _student_buckets(z: Tensor, ids: Tensor, padding: Tensor | None, temp: float
     return _Student(m, tail_sum, total, torch.cat([log_q_ids, log_q_tail.unsqueeze(1)], 1))
 
 
-def _grad_coefficients(u: Tensor, student: _Student, temp: float, shared_ce: Tensor | None,
-                       padding: Tensor | None) -> tuple[Tensor, Tensor]:
+def _grad_coefficients(
+    u: Tensor, student: _Student, temp: float, shared_ce: Tensor | None, padding: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """(dense [C, 1], at_ids [C, K]): dL/dz = dense * exp(z/T - m) off the ids, at_ids at them
     (plus w * softmax if shared_ce, T == 1)."""
     tail_sum, total, q_ids = student.tail_sum, student.total, student.log_q[:, :-1].exp()
@@ -292,13 +315,22 @@ def _grad_coefficients(u: Tensor, student: _Student, temp: float, shared_ce: Ten
     if shared_ce is not None:  # T == 1: softmax(z) = q, so CE's w * q folds into the same terms
         dense = dense + shared_ce / total
         at_ids = at_ids + shared_ce.unsqueeze(1) * q_ids
-    if padding is not None:  # an alias writes the real id's own gradient: the duplicate scatter is then harmless
+    # an alias writes the real id's own gradient: the duplicate scatter is then harmless
+    if padding is not None:
         at_ids = torch.where(padding, at_ids.gather(1, _first_real(padding)), at_ids)
     return dense.unsqueeze(1), at_ids
 
 
-def _write_grad(z: Tensor, m: Tensor, dense: Tensor, ids: Tensor, at_ids: Tensor, temp: float, out: Tensor,
-                vocab: Vocab = LOCAL) -> None:
+def _write_grad(
+    z: Tensor,
+    m: Tensor,
+    dense: Tensor,
+    ids: Tensor,
+    at_ids: Tensor,
+    temp: float,
+    out: Tensor,
+    vocab: Vocab = LOCAL,
+) -> None:
     """z holds exp(z/T - m) with zeros at ids (from _softmax_stats): out <- dense * z, then at_ids at the ids.
     out may be z itself, or a low-precision buffer (the cast happens in the same pass)."""
     at_ids = at_ids.to(out.dtype)

@@ -5,6 +5,7 @@ A divergence is a small pure function of a `Buckets` record ([N, K+1] tensors) r
 per-token loss [N]; the chunk driver differentiates it with autograd, so adding one means
 writing one function here and registering it in `DIVERGENCES`. Nothing else changes.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,7 +84,8 @@ def teacher_buckets(
             p_tail = torch.zeros_like(p_tail)
         log_p_top = a
     p = torch.cat([p_top, p_tail], dim=-1)
-    padding = log_p_top == -math.inf  # entries of variable-K rows that carry nothing: finite, so p log p = 0
+    # entries of variable-K rows that carry nothing: finite, so p log p = 0
+    padding = log_p_top == -math.inf
     log_p_top = log_p_top.masked_fill(padding, math.log(torch.finfo(log_p_top.dtype).tiny))
     log_p = torch.cat([log_p_top, _log_clamped(p_tail)], dim=-1)
     return p, log_p

@@ -5,6 +5,7 @@
 Training (topkd/train/student.py:batch_loss) and evaluation against a cache (topkd/eval/vs_cache.py) both fold
 the same way, so a student trained with --fold-beyond-vocab is scored on the distribution it learned.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,9 @@ import torch
 FOLDED_LOGIT = -1e4  # exp underflows to exactly 0 in fp32, while its log stays finite (no 0 * inf)
 
 
-def fold_beyond(weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, logprobs: torch.Tensor):
+def fold_beyond(
+    weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, logprobs: torch.Tensor
+):
     """Teacher ids beyond the student's vocabulary folded into the tail bucket, exactly: each such entry points
     to a phantom head row whose logit is FOLDED_LOGIT (student probability 0) and gets teacher probability 0, so
     its teacher mass lands in the tail (1 - the kept mass) and no student mass moves. Costs a copy of the head

@@ -7,6 +7,7 @@ scales the stored gradients by grad_output. reduction="none" cannot know its tok
 weights until backward, so there the forward computes losses only and backward recomputes
 (8NVH). Without gradients (no_grad, or nothing requires grad) the forward is 2NVH.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,10 @@ from torch import Tensor
 from topkd.loss import gemm, parts
 from topkd.loss.chunk import LOCAL, TORCH_KERNELS, Kernels, LossSpec, TeacherRows, Vocab, chunk_step
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20  # CPU: the chunk's buffers fit in L3-ish sizes; GEMMs are efficient at 2K rows
-GPU_CHUNK_BYTES = 2**30  # GPU: rows enough that W and dW traffic hides under the GEMMs (~800 rows at V=201K)
+# CPU: the chunk's buffers fit in L3-ish sizes; GEMMs are efficient at 2K rows
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+# GPU: rows enough that W and dW traffic hides under the GEMMs (~800 rows at V=201K)
+GPU_CHUNK_BYTES = 2**30
 GPU_ROW_MULTIPLE = 128  # tensor-core tile
 
 
@@ -28,8 +31,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_rows(vocab: int, dtype: torch.dtype, spec: LossSpec, has_labels: bool, device_type: str = "cpu",
-               budget_bytes: int | None = None) -> int:
+def chunk_rows(
+    vocab: int,
+    dtype: torch.dtype,
+    spec: LossSpec,
+    has_labels: bool,
+    device_type: str = "cpu",
+    budget_bytes: int | None = None,
+) -> int:
     """Rows per chunk so the chunk's [C, V] buffers fit the device's budget (CPU 256 MiB, GPU 1 GiB): the fp32
     logits (two with CE at T != 1) and, for bf16/fp16 inputs, the low-precision dL/dz the GEMMs read (plus,
     on a CPU, the GEMM's low-precision output). On a GPU rows are a multiple of 128."""
@@ -83,13 +92,20 @@ class _Grads:
     bias: Tensor | None
 
 
-def token_weights(rows: TeacherRows, spec: LossSpec, reduction: str, dtype: torch.dtype, go: Tensor | None = None):
+def token_weights(
+    rows: TeacherRows, spec: LossSpec, reduction: str, dtype: torch.dtype, go: Tensor | None = None
+):
     """(kd_w, ce_w) per counted token: 1/n for "mean", 1 for "sum", grad_output for "none"."""
     n = len(rows)
     if reduction == "none":
         kd_w = go.to(dtype)
     else:
-        kd_w = torch.full((n,), 1.0 / max(n, 1) if reduction == "mean" else 1.0, dtype=dtype, device=rows.ids.device)
+        kd_w = torch.full(
+            (n,),
+            1.0 / max(n, 1) if reduction == "mean" else 1.0,
+            dtype=dtype,
+            device=rows.ids.device,
+        )
     if rows.labels is None:
         return kd_w, None
     valid = (rows.labels >= 0).to(kd_w.dtype)
@@ -100,17 +116,28 @@ def token_weights(rows: TeacherRows, spec: LossSpec, reduction: str, dtype: torc
     return kd_w, ce_w
 
 
-def run_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan, kd_w: Tensor | None,
-               ce_w: Tensor | None, needs: tuple[bool, bool, bool]):
+def run_chunks(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: Plan,
+    kd_w: Tensor | None,
+    ce_w: Tensor | None,
+    needs: tuple[bool, bool, bool],
+):
     """The driver: per-token (kd, ce) losses, and gradients for the inputs flagged in needs.
     With a VocabShard, weight and bias are this process's rows and dX is summed over the group.
     No host syncs inside the loop: a GPU runs ahead of Python for the whole call."""
     rows, spec, chunk, row_index = plan.rows, plan.spec, plan.chunk, plan.row_index
     n, cdt = len(rows), compute_dtype(hidden.dtype)
     grads = _Grads(
-        hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden)) if needs[0] else None,
+        hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden))
+        if needs[0]
+        else None,
         # dW is written by the first chunk's GEMM, not zero-filled first (n == 0 still needs zeros)
-        weight=(torch.empty if n else torch.zeros)(weight.shape, dtype=cdt, device=weight.device) if needs[1] else None,
+        weight=(torch.empty if n else torch.zeros)(weight.shape, dtype=cdt, device=weight.device)
+        if needs[1]
+        else None,
         bias=torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if needs[2] else None,
     )
     kd_tok = torch.empty(n, dtype=cdt, device=hidden.device)
@@ -126,11 +153,18 @@ def run_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan, 
         z = gemm.project(x, weight, bias, buf[: end - start])
         cap = None if cap_buf is None else soft_cap(z, spec.softcap, cap_buf[: end - start])
         dz = z if low is None else low[: end - start]
-        kd, ce = chunk_step(z, rows.slice(start, end), spec,
-                            kd_w[start:end] if want_grad else None,
-                            None if ce_w is None or not want_grad else ce_w[start:end], plan.vocab,
-                            dz if cap is None else z, plan.kernels)
-        if cap is not None and want_grad:  # dL/dz = dL/dz' (1 - tanh^2), in fp32, then cast as it is written
+        kd, ce = chunk_step(
+            z,
+            rows.slice(start, end),
+            spec,
+            kd_w[start:end] if want_grad else None,
+            None if ce_w is None or not want_grad else ce_w[start:end],
+            plan.vocab,
+            dz if cap is None else z,
+            plan.kernels,
+        )
+        # dL/dz = dL/dz' (1 - tanh^2), in fp32, then cast as it is written
+        if cap is not None and want_grad:
             torch.mul(z, cap.square_().neg_().add_(1.0), out=dz)
         kd_tok[start:end] = kd
         if ce_tok is not None:
@@ -149,8 +183,16 @@ def soft_cap(z: Tensor, cap: float, tanh_out: Tensor) -> Tensor:
     return tanh_out
 
 
-def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index, start: int, end: int,
-                first: bool) -> None:
+def _spend_grad(
+    dz: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    grads: _Grads,
+    row_index,
+    start: int,
+    end: int,
+    first: bool,
+) -> None:
     """dX rows = dz W; dW (=, then +=) dz^T x; db += sum dz. dz is in x's dtype; dW and db accumulate in fp32."""
     if grads.hidden is not None:
         if row_index is None:
@@ -163,8 +205,9 @@ def _spend_grad(dz: Tensor, x: Tensor, weight: Tensor, grads: _Grads, row_index,
         grads.bias.add_(dz.sum(dim=0, dtype=grads.bias.dtype))
 
 
-def reduce_per_token(kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, spec: LossSpec,
-                     reduction: str) -> Tensor:
+def reduce_per_token(
+    kd_tok: Tensor, ce_tok: Tensor | None, rows: TeacherRows, spec: LossSpec, reduction: str
+) -> Tensor:
     """Per-token KD (and CE) losses to the loss the caller asked for: mean over counted tokens, sum, or none."""
     if reduction == "none":
         return kd_tok if ce_tok is None else kd_tok + spec.ce_weight * ce_tok
@@ -183,10 +226,14 @@ class FusedLinearKD(torch.autograd.Function):
         reduction = plan.spec.reduction
         needs = tuple(bool(f) and plan.grad_wanted for f in ctx.needs_input_grad[:3])
         grad_now = any(needs) and reduction != "none"
-        kd_w, ce_w = token_weights(plan.rows, plan.spec, reduction, compute_dtype(hidden.dtype)) if grad_now \
+        kd_w, ce_w = (
+            token_weights(plan.rows, plan.spec, reduction, compute_dtype(hidden.dtype))
+            if grad_now
             else (None, None)
-        kd_tok, ce_tok, grads = run_chunks(hidden, weight, bias, plan, kd_w, ce_w,
-                                           needs if grad_now else (False, False, False))
+        )
+        kd_tok, ce_tok, grads = run_chunks(
+            hidden, weight, bias, plan, kd_w, ce_w, needs if grad_now else (False, False, False)
+        )
         ctx.plan, ctx.needs = plan, needs
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         if reduction == "none" and any(needs):
@@ -200,16 +247,23 @@ class FusedLinearKD(torch.autograd.Function):
         plan = ctx.plan
         if plan.spec.reduction == "none":
             hidden, weight, bias = ctx.saved_tensors
-            kd_w, ce_w = token_weights(plan.rows, plan.spec, "none", compute_dtype(hidden.dtype), go)
+            kd_w, ce_w = token_weights(
+                plan.rows, plan.spec, "none", compute_dtype(hidden.dtype), go
+            )
             grads, scale = run_chunks(hidden, weight, bias, plan, kd_w, ce_w, ctx.needs)[2], None
         else:
             grads, scale = ctx.grads, go
             if grads is None:
-                raise RuntimeError("fused_linear_kd(impl='fused'/'triton') computes its gradients during forward and "
-                                   "hands them to the first backward, so a second backward through the same loss "
-                                   "(retain_graph=True) has none left; compute the loss again, or use impl='dense'")
+                raise RuntimeError(
+                    "fused_linear_kd(impl='fused'/'triton') computes its gradients during forward and "
+                    "hands them to the first backward, so a second backward through the same loss "
+                    "(retain_graph=True) has none left; compute the loss again, or use impl='dense'"
+                )
             ctx.grads = None  # drop our reference so autograd can adopt the buffers without a copy
-        out = [_finish(g, dt, scale) for g, dt in zip((grads.hidden, grads.weight, grads.bias), ctx.dtypes)]
+        out = [
+            _finish(g, dt, scale)
+            for g, dt in zip((grads.hidden, grads.weight, grads.bias), ctx.dtypes)
+        ]
         return (*out, None)
 
 
@@ -227,4 +281,6 @@ def _finish(grad: Tensor | None, dtype: torch.dtype, scale: Tensor | None) -> Te
         return grad.to(dtype)
     if grad.dtype == dtype:
         return grad.mul_(scale.to(dtype))
-    return torch.mul(grad, scale.to(grad.dtype), out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+    return torch.mul(
+        grad, scale.to(grad.dtype), out=torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    )

@@ -10,6 +10,7 @@ so and the loss falls back to a low-precision product and a copy (same results, 
 On a CPU (no `out_dtype` kernels) the same fallback is used, and the logits GEMM runs in vocabulary
 blocks (MKL allocates ~20 MB of packing space for one GEMM over all of V; 8K columns need ~9 MB).
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,14 +38,22 @@ def fp32_out(device: torch.device) -> bool:
         z = torch.mm(a, b, out_dtype=torch.float32)
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     except (RuntimeError, TypeError) as e:
-        warnings.warn(f"topkd loss: this torch ({torch.__version__}) has no fp32-output bf16 GEMMs on {device} "
-                      f"({str(e).splitlines()[0][:120]}); falling back to bf16 products and copies (slower, more "
-                      "memory traffic). torch >= 2.8 has them.", stacklevel=2)
+        warnings.warn(
+            f"topkd loss: this torch ({torch.__version__}) has no fp32-output bf16 GEMMs on {device} "
+            f"({str(e).splitlines()[0][:120]}); falling back to bf16 products and copies (slower, more "
+            "memory traffic). torch >= 2.8 has them.",
+            stacklevel=2,
+        )
         return False
-    ok = torch.allclose(z, a.float() @ b.float(), atol=1e-3) and torch.allclose(acc, want, atol=1e-3)
+    ok = torch.allclose(z, a.float() @ b.float(), atol=1e-3) and torch.allclose(
+        acc, want, atol=1e-3
+    )
     if not ok:
-        warnings.warn(f"topkd loss: fp32-output GEMMs on {device} gave wrong results in a self-test; falling "
-                      "back to bf16 products and copies", stacklevel=2)
+        warnings.warn(
+            f"topkd loss: fp32-output GEMMs on {device} gave wrong results in a self-test; falling "
+            "back to bf16 products and copies",
+            stacklevel=2,
+        )
     return ok
 
 
@@ -58,7 +67,9 @@ def project(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tens
         torch.mm(x, weight.t(), out=out)
     else:
         for a in range(0, weight.shape[0], PROJECT_VOCAB_BLOCK):
-            torch.mm(x, weight[a:a + PROJECT_VOCAB_BLOCK].t(), out=out[:, a:a + PROJECT_VOCAB_BLOCK])
+            torch.mm(
+                x, weight[a : a + PROJECT_VOCAB_BLOCK].t(), out=out[:, a : a + PROJECT_VOCAB_BLOCK]
+            )
     if bias is not None:
         out.add_(bias)
     return out

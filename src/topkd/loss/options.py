@@ -8,6 +8,7 @@ fused_linear_kd builds one from its keyword arguments; KDLoss holds one; `topkd 
 its flags (train.config.loss_options) and asks it which cache columns and labels the loss needs. The chunk
 math's LossSpec (topkd/loss/chunk.py) is these options plus what the call's tensors decide.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -25,14 +26,21 @@ class LossOptions:
     reduction: str = "mean"
     impl: str = "fused"
     chunk_size: int | None = None
-    softcap: float | None = None  # student logits are c tanh(z / c) (Gemma-2 style final_logit_softcapping)
+    softcap: float | None = (
+        None  # student logits are c tanh(z / c) (Gemma-2 style final_logit_softcapping)
+    )
 
     def __post_init__(self) -> None:
         validate.check_names(self.divergence, self.tail, self.impl, self.reduction)
-        validate.check_numbers(self.temperature, self.beta, self.ce_weight, self.divergence, self.chunk_size)
+        validate.check_numbers(
+            self.temperature, self.beta, self.ce_weight, self.divergence, self.chunk_size
+        )
         validate.check_softcap(self.softcap)
-        for name in ("temperature", "beta", "ce_weight") + (("softcap",) if self.softcap is not None else ()):
-            object.__setattr__(self, name, float(getattr(self, name)))  # ints and numpy scalars: plain floats
+        for name in ("temperature", "beta", "ce_weight") + (
+            ("softcap",) if self.softcap is not None else ()
+        ):
+            # ints and numpy scalars: plain floats
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def needs_logz(self) -> bool:
@@ -57,8 +65,10 @@ class LossOptions:
         """The tensors this call passed, against what these options need."""
         validate.check_temperature_tail(self.tail, float(self.temperature), has_logz)
         if self.needs_labels and not has_labels:
-            raise ValueError(f"ce_weight={self.ce_weight} needs labels (next-token ids, -100 ignored), got None; "
-                             "pass labels or set ce_weight=0")
+            raise ValueError(
+                f"ce_weight={self.ce_weight} needs labels (next-token ids, -100 ignored), got None; "
+                "pass labels or set ce_weight=0"
+            )
 
     def kwargs(self) -> dict:
         return asdict(self)

@@ -8,6 +8,7 @@ loss == parts["kd"] + ce_weight * parts["ce"]. Every impl reduces through one fu
 (topkd.loss.fused.reduce_per_token), which adds its terms here when a block is open: no extra pass over the
 vocabulary and no host sync. Outside a block nothing is recorded. reduction="none" records nothing.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -14,6 +14,7 @@ Per call, one all_gather of 5 ints checks that the shards tile the vocabulary an
 Teacher ids and labels are global vocabulary ids. Tested against the single-process loss with 2 gloo
 processes (tests/loss/test_vocab_parallel.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ class VocabParallel:
 def shard_for(vp: VocabParallel, weight_shard: Tensor, counted: int, chunk: int) -> VocabShard:
     """The chunk math's view of this process's shard, after checking the group agrees on it."""
     if not dist.is_initialized():
-        raise ValueError("vocab_parallel: expected an initialised torch.distributed process group, got none; call "
-                         "torch.distributed.init_process_group (torchrun) first, or leave vocab_parallel=None")
+        raise ValueError(
+            "vocab_parallel: expected an initialised torch.distributed process group, got none; call "
+            "torch.distributed.init_process_group (torchrun) first, or leave vocab_parallel=None"
+        )
     shard = VocabShard(int(vp.start), weight_shard.shape[0], int(vp.vocab_size), vp.group)
     check_group(shard, counted, chunk)
     return shard
@@ -49,18 +52,29 @@ def shard_for(vp: VocabParallel, weight_shard: Tensor, counted: int, chunk: int)
 def check_group(shard: VocabShard, counted: int, chunk: int) -> None:
     """One all_gather of 5 ints: refuse shards that leave gaps, overlap or disagree on the vocabulary, and
     processes that disagree on the counted tokens or chunk size (their collectives would not line up)."""
-    mine = torch.tensor([shard.start, shard.size, shard.vocab, counted, chunk], dtype=torch.int64,
-                        device=collective_device(shard.group))
+    mine = torch.tensor(
+        [shard.start, shard.size, shard.vocab, counted, chunk],
+        dtype=torch.int64,
+        device=collective_device(shard.group),
+    )
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(shard.group))]
     dist.all_gather(every, mine, group=shard.group)
     spans = sorted((int(e[0]), int(e[1])) for e in every)
     vocabs = {int(e[2]) for e in every}
     edges = [0] + [s + n for s, n in spans]
-    if len(vocabs) != 1 or any(s != e for (s, _), e in zip(spans, edges)) or edges[-1] != shard.vocab:
-        raise ValueError(f"vocab shards: expected (start, rows) spans tiling [0, {shard.vocab}) once across the "
-                         f"group, got {spans} with vocab sizes {sorted(vocabs)}; give process r rows "
-                         "[r * V / P, (r + 1) * V / P) of lm_head.weight and the same vocab_size everywhere")
+    if (
+        len(vocabs) != 1
+        or any(s != e for (s, _), e in zip(spans, edges))
+        or edges[-1] != shard.vocab
+    ):
+        raise ValueError(
+            f"vocab shards: expected (start, rows) spans tiling [0, {shard.vocab}) once across the "
+            f"group, got {spans} with vocab sizes {sorted(vocabs)}; give process r rows "
+            "[r * V / P, (r + 1) * V / P) of lm_head.weight and the same vocab_size everywhere"
+        )
     work = sorted({(int(e[3]), int(e[4])) for e in every})
     if len(work) != 1:
-        raise ValueError(f"vocab-parallel loss: expected the same (counted tokens, chunk size) on every process, "
-                         f"got {work}; pass the same hidden, mask and chunk_size to every process")
+        raise ValueError(
+            f"vocab-parallel loss: expected the same (counted tokens, chunk size) on every process, "
+            f"got {work}; pass the same hidden, mask and chunk_size to every process"
+        )

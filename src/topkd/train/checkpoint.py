@@ -13,6 +13,7 @@ unpickled freely: DCP's metadata goes through an allow-list unpickler, tensors t
 torch.load(weights_only=True), the rest is JSON. Random state is not saved: each step reseeds
 from (seed, step, rank).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,17 +51,30 @@ def save(out: str, module, optimizer, scheduler, state: dict) -> str:
     tmp = f"{final}.tmp"
     model_state, optim_state = get_state_dict(module, optimizer)
     with _one_process_is_intended():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=not dist.active())
+        dcp.save(
+            {"model": model_state, "optim": optim_state},
+            checkpoint_id=tmp,
+            no_dist=not dist.active(),
+        )
     dist.barrier()
     if dist.rank() == 0:
-        write_atomic(os.path.join(tmp, STATE_FILE), json.dumps({"scheduler": scheduler.state_dict(),
-                                                                "state": dict(state)}).encode())
+        write_atomic(
+            os.path.join(tmp, STATE_FILE),
+            json.dumps({"scheduler": scheduler.state_dict(), "state": dict(state)}).encode(),
+        )
         files = [name for name in sorted(os.listdir(tmp)) if not name.startswith(CHECKSUMS)]
-        sums = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": file_sha256(os.path.join(tmp, n))}
-                for n in files}
+        sums = {
+            n: {
+                "bytes": os.path.getsize(os.path.join(tmp, n)),
+                "sha256": file_sha256(os.path.join(tmp, n)),
+            }
+            for n in files
+        }
         for name in sums:  # DCP's own files: durable before the rename makes them trusted
             fsync_path(os.path.join(tmp, name))
-        write_atomic(os.path.join(tmp, CHECKSUMS), json.dumps(sums, indent=1, sort_keys=True).encode())
+        write_atomic(
+            os.path.join(tmp, CHECKSUMS), json.dumps(sums, indent=1, sort_keys=True).encode()
+        )
         os.replace(tmp, final)
         fsync_path(_dir(out), directory=True)
         for old in _complete(out)[:-KEEP]:
@@ -73,7 +87,9 @@ def save(out: str, module, optimizer, scheduler, state: dict) -> str:
 def _one_process_is_intended():
     """DCP warns that it assumes one process when torch.distributed is not initialised: here that is the plan."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
         yield
 
 
@@ -116,8 +132,12 @@ def _newest_intact(out: str) -> str | None:
         aside = path + ".damaged"
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(path, aside)
-        print(f"topkd train: warning: checkpoint {path} is damaged ({problem}); set aside as {aside}, resuming from "
-              "the newest intact one", file=sys.stderr, flush=True)
+        print(
+            f"topkd train: warning: checkpoint {path} is damaged ({problem}); set aside as {aside}, resuming from "
+            "the newest intact one",
+            file=sys.stderr,
+            flush=True,
+        )
     return None
 
 
@@ -134,8 +154,10 @@ def load_latest(out: str, module, optimizer, scheduler, state: dict) -> bool:
     step = int(dist.all_max(step))
     if step < 0:
         if found_any:
-            raise ValueError(f"{_dir(out)}: every checkpoint is damaged (set aside as *.damaged); delete "
-                             f"{_dir(out)} to start this run over, or use a new --out")
+            raise ValueError(
+                f"{_dir(out)}: every checkpoint is damaged (set aside as *.damaged); delete "
+                f"{_dir(out)} to start this run over, or use a new --out"
+            )
         return False
     path = os.path.join(_dir(out), f"step-{step:06d}")
     try:
@@ -145,11 +167,17 @@ def load_latest(out: str, module, optimizer, scheduler, state: dict) -> bool:
     model_state, optim_state = get_state_dict(module, optimizer)
     try:
         with _one_process_is_intended():
-            dcp.load({"model": model_state, "optim": optim_state}, storage_reader=SafeReader(path),
-                     no_dist=not dist.active())
-    except Exception as e:  # DCP reports a mismatch as a CheckpointException wrapping each rank's error
-        raise ValueError(f"{path}: checkpoint does not fit this student and optimizer ({str(e).splitlines()[0][:300]})"
-                         "; use a new --out, or the student it was trained with") from e
+            dcp.load(
+                {"model": model_state, "optim": optim_state},
+                storage_reader=SafeReader(path),
+                no_dist=not dist.active(),
+            )
+    # DCP reports a mismatch as a CheckpointException wrapping each rank's error
+    except Exception as e:
+        raise ValueError(
+            f"{path}: checkpoint does not fit this student and optimizer ({str(e).splitlines()[0][:300]})"
+            "; use a new --out, or the student it was trained with"
+        ) from e
     set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     with open(os.path.join(path, STATE_FILE)) as f:
         saved = json.load(f)
@@ -161,16 +189,26 @@ def load_latest(out: str, module, optimizer, scheduler, state: dict) -> bool:
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's .metadata is a pickle: only its own record types, torch sizes, dtypes and layouts may be built."""
 
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib._local", "PosixPath"),  # where Python 3.13 moved it
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+    ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"),  # where Python 3.13 moved it
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str):
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED or \
-                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (
+            module == "torch.distributed.checkpoint.metadata"
+            or (module, name) in self.ALLOWED
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
-                                     "holds; refusing to load it")
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
+            "holds; refusing to load it"
+        )
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -193,7 +231,8 @@ def truncate_metrics(path: str, step: int) -> None:
         return
     rows = []
     for line in open(path):
-        with contextlib.suppress(ValueError, KeyError, TypeError):  # a line cut short by a kill is dropped
+        # a line cut short by a kill is dropped
+        with contextlib.suppress(ValueError, KeyError, TypeError):
             if json.loads(line)["step"] <= step:
                 rows.append(line if line.endswith("\n") else line + "\n")
     write_atomic(path, "".join(rows).encode())

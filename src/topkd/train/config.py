@@ -1,4 +1,5 @@
 """TrainConfig: every `topkd train` flag, one field each, with its help text."""
+
 from __future__ import annotations
 
 import json
@@ -76,7 +77,7 @@ TRAIN_HELP = {
     "layers": "layers kept with --init-from-teacher (first and last always kept)",
     "seq_len": "tokens per training sample (0: the cache's; other values re-slice the cached sequences)",
     "packing": "documents (rows laid end to end, attention restarts at each document) | cross (the same, attending "
-               "across documents) | none (one document per sample, padded to the batch's longest; ablations)",
+    "across documents) | none (one document per sample, padded to the batch's longest; ablations)",
     "batch_size": "samples per micro-batch",
     "grad_accum": "micro-batches per optimizer step; the loss is normalised by the step's counted tokens",
     "steps": "optimizer steps",
@@ -92,15 +93,15 @@ TRAIN_HELP = {
     "ce_weight": "weight of hard-label cross entropy on the next tokens",
     "top_k": "distil from only the first N of the cache's top-K (its N most likely tokens; 0: all K)",
     "objective": "kd (distil from the teacher rows, + ce_weight x CE) | ce (hard-label CE only on the same tokens: "
-                 "the no-teacher baseline)",
+    "the no-teacher baseline)",
     "impl": "loss implementation: fused (Triton passes on a GPU where they apply) | triton (Triton required; CUDA) "
-            "| chunked | dense (comparisons)",
+    "| chunked | dense (comparisons)",
     "autocast_bf16": "bf16 mixed precision: the body under bf16 autocast (under torchrun, FSDP2 gathers bf16 "
-                     "parameters and reduces fp32 gradients), the loss's head GEMMs in bf16 with fp32 "
-                     "accumulation; master weights and optimizer state stay fp32",
+    "parameters and reduces fp32 gradients), the loss's head GEMMs in bf16 with fp32 "
+    "accumulation; master weights and optimizer state stay fp32",
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
     "loader_workers": "processes decoding the cache ahead of training (0: decode in the training process; "
-                      "online mode always computes teacher rows in the training process)",
+    "online mode always computes teacher rows in the training process)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
     "seed": "seed for the data order and initialisation",
     "device": "cpu | cuda (under torchrun: cuda:LOCAL_RANK, one GPU per process)",
@@ -110,15 +111,25 @@ TRAIN_HELP = {
     "lora_targets": "comma-separated module names that get adapters (empty: every Linear layer but lm_head)",
     "merge": "with --lora-rank: also fold the adapters into the weights and write that model to final/",
     "fold_beyond_vocab": "a student head smaller than the cache's teacher ids: fold the teacher's mass on ids "
-                         "beyond it into the tail bucket (exact in the bucket loss) instead of refusing the student",
+    "beyond it into the tail bucket (exact in the bucket loss) instead of refusing the student",
     "report_to": "none | tensorboard (event files in OUT/tensorboard) | wandb (offline unless WANDB_MODE says "
-                 "otherwise), beside metrics.jsonl",
+    "otherwise), beside metrics.jsonl",
 }
 
 # Flags that change nothing in the loss trajectory: a resumed run may change them. --batch-size is replaced by
 # the global batch (batch x processes), which is what the trajectory depends on (processes may change on resume).
-NOT_TRAJECTORY = ("out", "steps", "checkpoint_every", "loader_workers", "device", "activation_checkpointing",
-                  "batch_size", "skip_nonfinite", "merge", "report_to")
+NOT_TRAJECTORY = (
+    "out",
+    "steps",
+    "checkpoint_every",
+    "loader_workers",
+    "device",
+    "activation_checkpointing",
+    "batch_size",
+    "skip_nonfinite",
+    "merge",
+    "report_to",
+)
 RUN_FILE = "run.json"
 
 
@@ -134,14 +145,22 @@ def check_resume(out: str, cfg: TrainConfig, world: int, resuming: bool) -> None
     if resuming and os.path.exists(path):
         with open(path) as f:
             before = json.load(f)
-        defaults = asdict(TrainConfig())  # a setting added after that run was recorded had its default then
+        # a setting added after that run was recorded had its default then
+        defaults = asdict(TrainConfig())
         before = {**{k: defaults[k] for k in now if k in defaults}, **before}
-        changed = sorted(k for k in set(before) | set(now)
-                         if _same_input(k, before.get(k)) != _same_input(k, now.get(k)))
+        changed = sorted(
+            k
+            for k in set(before) | set(now)
+            if _same_input(k, before.get(k)) != _same_input(k, now.get(k))
+        )
         if changed:
-            diffs = ", ".join(f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
-            raise ValueError(f"{out} holds a run with other settings ({diffs}); rerun with that run's flags to "
-                             "resume it (only --steps and speed/memory flags may change), or use a new --out")
+            diffs = ", ".join(
+                f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}" for k in changed
+            )
+            raise ValueError(
+                f"{out} holds a run with other settings ({diffs}); rerun with that run's flags to "
+                "resume it (only --steps and speed/memory flags may change), or use a new --out"
+            )
     elif dist.rank() == 0:
         write_json_atomic(path, now)
 
@@ -166,29 +185,43 @@ def _same_input(key: str, value):
 def check_paths(cfg: TrainConfig, teacher_dir: str | None = None) -> None:
     """--out must not be (or lie inside) the student, the cache or the teacher: saving would overwrite them."""
     out = os.path.realpath(cfg.out)
-    for flag, path in (("--student", cfg.student), ("--cache", cfg.cache), ("--teacher", cfg.teacher or teacher_dir)):
+    for flag, path in (
+        ("--student", cfg.student),
+        ("--cache", cfg.cache),
+        ("--teacher", cfg.teacher or teacher_dir),
+    ):
         if path and os.path.exists(path):
             inside = os.path.realpath(path)
             if out == inside or out.startswith(inside + os.sep):
-                raise ValueError(f"--out {cfg.out!r} is inside {flag} {path!r}: the run would overwrite it (final/, "
-                                 "config.json); choose a separate --out directory")
+                raise ValueError(
+                    f"--out {cfg.out!r} is inside {flag} {path!r}: the run would overwrite it (final/, "
+                    "config.json); choose a separate --out directory"
+                )
 
 
 def check_config(cfg: TrainConfig) -> None:
     if bool(cfg.cache) == bool(cfg.teacher) or not cfg.out:
-        raise ValueError(f"expected --out and exactly one of --cache (offline) or --teacher (online), got "
-                         f"cache={cfg.cache!r} teacher={cfg.teacher!r} out={cfg.out!r}")
+        raise ValueError(
+            f"expected --out and exactly one of --cache (offline) or --teacher (online), got "
+            f"cache={cfg.cache!r} teacher={cfg.teacher!r} out={cfg.out!r}"
+        )
     if cfg.teacher and (not cfg.data or cfg.seq_len < 2):
-        raise ValueError(f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
-                         f"seq_len={cfg.seq_len}")
+        raise ValueError(
+            f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
+            f"seq_len={cfg.seq_len}"
+        )
     check_train_on(cfg.train_on)
     if cfg.cache and (cfg.data or cfg.online_k or cfg.max_sequences):
-        raise ValueError(f"--data, --online-k and --max-sequences belong to online mode (--teacher); with --cache "
-                         f"the data is the cache's, got data={cfg.data} online_k={cfg.online_k} "
-                         f"max_sequences={cfg.max_sequences}")
+        raise ValueError(
+            f"--data, --online-k and --max-sequences belong to online mode (--teacher); with --cache "
+            f"the data is the cache's, got data={cfg.data} online_k={cfg.online_k} "
+            f"max_sequences={cfg.max_sequences}"
+        )
     if bool(cfg.student) == cfg.init_from_teacher:
-        raise ValueError("expected exactly one of --student DIR or --init-from-teacher, got "
-                         f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}")
+        raise ValueError(
+            "expected exactly one of --student DIR or --init-from-teacher, got "
+            f"student={cfg.student!r} init_from_teacher={cfg.init_from_teacher}"
+        )
     if cfg.init_from_teacher and cfg.layers < 1:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
     if cfg.objective not in ("kd", "ce"):
@@ -197,35 +230,61 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"packing: expected one of {PACKINGS}, got {cfg.packing!r}")
     require_device(cfg.device)
     loss_options(cfg)  # the loss's own checks, before any model loads
-    for flag, path, kind in (("--cache", cfg.cache, "dir"), ("--teacher", cfg.teacher, "any"),
-                             ("--student", cfg.student, "dir")):
+    for flag, path, kind in (
+        ("--cache", cfg.cache, "dir"),
+        ("--teacher", cfg.teacher, "any"),
+        ("--student", cfg.student, "dir"),
+    ):
         if path:
             require_path(flag, path, kind)
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
-    require_ints(cfg, ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k", "top_k",
-                       "max_sequences", "loader_workers"), 0)
+    require_ints(
+        cfg,
+        (
+            "seq_len",
+            "warmup_steps",
+            "checkpoint_every",
+            "layers",
+            "seed",
+            "online_k",
+            "top_k",
+            "max_sequences",
+            "loader_workers",
+        ),
+        0,
+    )
     check_lora_and_reporting(cfg)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
-        raise ValueError(f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
-                         f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}")
+        raise ValueError(
+            f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
+            f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}"
+        )
 
 
 def check_lora_and_reporting(cfg: TrainConfig) -> None:
     require_ints(cfg, ("lora_rank",), 0)
     if (cfg.lora_alpha or cfg.lora_targets or cfg.merge) and not cfg.lora_rank:
-        raise ValueError(f"--lora-alpha, --lora-targets and --merge go with --lora-rank R, got lora_rank=0 with "
-                         f"alpha={cfg.lora_alpha} targets={cfg.lora_targets} merge={cfg.merge}; add --lora-rank")
+        raise ValueError(
+            f"--lora-alpha, --lora-targets and --merge go with --lora-rank R, got lora_rank=0 with "
+            f"alpha={cfg.lora_alpha} targets={cfg.lora_targets} merge={cfg.merge}; add --lora-rank"
+        )
     if not (isinstance(cfg.lora_alpha, (int, float)) and cfg.lora_alpha >= 0):
-        raise ValueError(f"--lora-alpha: expected a number >= 0 (0: twice --lora-rank), got {cfg.lora_alpha!r}")
+        raise ValueError(
+            f"--lora-alpha: expected a number >= 0 (0: twice --lora-rank), got {cfg.lora_alpha!r}"
+        )
     head = [t for t in cfg.lora_targets if t in ("lm_head", "embed_out", "output")]
     if head:
-        raise ValueError(f"--lora-targets: expected modules of the body, got {head}: the fused KD loss reads the "
-                         "lm_head weight directly, so it stays frozen (adapters on it would get no gradient); "
-                         "drop it from --lora-targets, or train the full model without --lora-rank")
+        raise ValueError(
+            f"--lora-targets: expected modules of the body, got {head}: the fused KD loss reads the "
+            "lm_head weight directly, so it stays frozen (adapters on it would get no gradient); "
+            "drop it from --lora-targets, or train the full model without --lora-rank"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before the process group exists
     if cfg.lora_rank and world > 1:
-        raise ValueError(f"--lora-rank: expected one process, got {world} under torchrun (LoRA is not wired "
-                         "into FSDP2 here); run one process, or use topkd.hf.KDTrainer with accelerate")
+        raise ValueError(
+            f"--lora-rank: expected one process, got {world} under torchrun (LoRA is not wired "
+            "into FSDP2 here); run one process, or use topkd.hf.KDTrainer with accelerate"
+        )
     if cfg.lora_rank:
         from topkd.train.lora import require_peft
 
@@ -235,5 +294,12 @@ def check_lora_and_reporting(cfg: TrainConfig) -> None:
 
 def loss_options(cfg: TrainConfig) -> LossOptions:
     """The loss this run trains with (validated: the loss's own rules and messages)."""
-    return LossOptions(divergence=cfg.divergence, tail=cfg.tail, temperature=cfg.temperature, beta=cfg.beta,
-                       ce_weight=cfg.ce_weight, reduction="sum", impl=cfg.impl)
+    return LossOptions(
+        divergence=cfg.divergence,
+        tail=cfg.tail,
+        temperature=cfg.temperature,
+        beta=cfg.beta,
+        ce_weight=cfg.ce_weight,
+        reduction="sum",
+        impl=cfg.impl,
+    )

@@ -11,6 +11,7 @@ change nothing but memory and speed (see topkd.train.parallel). AdamW
 renamed; a rerun of the same command resumes from the newest one and continues the exact loss
 trajectory. Outputs in --out: metrics.jsonl, loss.png, final/ (save_pretrained, safetensors).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,42 +56,68 @@ def train(cfg: TrainConfig) -> dict:
     check_top_k(cfg.top_k, source)
     check_targets(cfg, source)
     if source.counted_tokens == 0:
-        raise ValueError(f"cache {cfg.cache}: expected rows that count for the loss, got 0 of its {source.tokens} "
-                         "tokens (chat data without assistant turns); rebuild it with --train-on all, or from "
-                         "conversations whose replies have role 'assistant'")
+        raise ValueError(
+            f"cache {cfg.cache}: expected rows that count for the loss, got 0 of its {source.tokens} "
+            "tokens (chat data without assistant turns); rebuild it with --train-on all, or from "
+            "conversations whose replies have role 'assistant'"
+        )
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
     options = loss_options(cfg)
-    stream = SampleStream(source, seq_len, cfg.seed, logz_column(source, options.logz_temperature), cfg.packing)
-    module = KDStudent(student.model.to(device), source.vocab_size, options, cfg.activation_checkpointing,
-                       cfg.objective, cfg.top_k, torch.bfloat16 if cfg.autocast_bf16 else torch.float32,
-                       cfg.fold_beyond_vocab)
+    stream = SampleStream(
+        source, seq_len, cfg.seed, logz_column(source, options.logz_temperature), cfg.packing
+    )
+    module = KDStudent(
+        student.model.to(device),
+        source.vocab_size,
+        options,
+        cfg.activation_checkpointing,
+        cfg.objective,
+        cfg.top_k,
+        torch.bfloat16 if cfg.autocast_bf16 else torch.float32,
+        cfg.fold_beyond_vocab,
+    )
     shard_student(module, bf16=cfg.autocast_bf16)
     if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 GEMM left (a fp32 run's body) on tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = (
+            True  # any fp32 GEMM left (a fp32 run's body) on tensor cores
+        )
     optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     os.makedirs(cfg.out, exist_ok=True)
-    with exclusive_lock(os.path.join(cfg.out, f".train-{rank}.lock"),
-                        f"{cfg.out}: another topkd train is running there (process {{holder}} holds {{path}}); wait "
-                        "for it to finish (an overlapping requeued job?), or train into another --out"):
+    with exclusive_lock(
+        os.path.join(cfg.out, f".train-{rank}.lock"),
+        f"{cfg.out}: another topkd train is running there (process {{holder}} holds {{path}}); wait "
+        "for it to finish (an overlapping requeued job?), or train into another --out",
+    ):
         return resume_and_run(module, student, stream, optimizer, scheduler, cfg, world)
 
 
-def resume_and_run(module: KDStudent, student, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig,
-                   world: int) -> dict:
+def resume_and_run(
+    module: KDStudent,
+    student,
+    stream: SampleStream,
+    optimizer,
+    scheduler,
+    cfg: TrainConfig,
+    world: int,
+) -> dict:
     """With --out held: resume from its newest checkpoint, run the remaining steps, save final/ and the plot."""
     rank, state = dist.rank(), {"step": 0, "samples": 0}
     check_resume(cfg.out, cfg, world, resuming=ckpt.latest_step(cfg.out) is not None)
     resumed = ckpt.load_latest(cfg.out, module, optimizer, scheduler, state)
     if state["step"] > cfg.steps:
-        raise ValueError(f"steps: the run in {cfg.out} is already at step {state['step']}, beyond --steps "
-                         f"{cfg.steps}; pass --steps >= {state['step']} to continue it, or use a new --out")
-    for group in optimizer.param_groups:  # the schedule of this run's flags (a resume may extend --steps)
+        raise ValueError(
+            f"steps: the run in {cfg.out} is already at step {state['step']}, beyond --steps "
+            f"{cfg.steps}; pass --steps >= {state['step']} to continue it, or use a new --out"
+        )
+    # the schedule of this run's flags (a resume may extend --steps)
+    for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lr_factor(state["step"], cfg)
     warn_about_schedule(cfg, stream, world)
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-    ckpt.truncate_metrics(metrics_path, state["step"])  # rows past the checkpoint will be recomputed
+    # rows past the checkpoint will be recomputed
+    ckpt.truncate_metrics(metrics_path, state["step"])
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({**asdict(cfg), "world_size": world}, f, indent=1)
@@ -99,40 +126,69 @@ def resume_and_run(module: KDStudent, student, stream: SampleStream, optimizer, 
     save_final(module, student, cfg)
     if rank == 0:
         plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"), run_title(cfg))
-        print(f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
-              f"checkpoints/ in {cfg.out} (step {state['step']})", flush=True)
+        print(
+            f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
+            f"checkpoints/ in {cfg.out} (step {state['step']})",
+            flush=True,
+        )
     return row
 
 
-def run_steps(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig, state: dict,
-              resumed: bool) -> dict:
+def run_steps(
+    module: KDStudent,
+    stream: SampleStream,
+    optimizer,
+    scheduler,
+    cfg: TrainConfig,
+    state: dict,
+    resumed: bool,
+) -> dict:
     """The step loop: metrics rows, progress, periodic checkpoints; on SIGINT/SIGTERM a checkpoint, then stop."""
     rank, row = dist.rank(), {}
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-    bar = progress(total=cfg.steps, initial=state["step"], desc="train" + (" (resumed)" if resumed else ""),
-                   unit="step", disable=rank != 0)
+    bar = progress(
+        total=cfg.steps,
+        initial=state["step"],
+        desc="train" + (" (resumed)" if resumed else ""),
+        unit="step",
+        disable=rank != 0,
+    )
     steps = step_loader(stream, cfg, state, workers=0 if cfg.teacher else cfg.loader_workers)
-    reporter = open_reporter(cfg.report_to if rank == 0 else "none", cfg.out, asdict(cfg), state["step"])
+    reporter = open_reporter(
+        cfg.report_to if rank == 0 else "none", cfg.out, asdict(cfg), state["step"]
+    )
     try:
         with stop_requests() as stop, contextlib.closing(reporter):
             while state["step"] < cfg.steps:
-                row = train_step(module, stream, optimizer, scheduler, cfg, state, micro=next(steps))
+                row = train_step(
+                    module, stream, optimizer, scheduler, cfg, state, micro=next(steps)
+                )
                 if rank == 0:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(row) + "\n")
                     reporter.log(row)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                                GiB=f"{row['peak_gib']:.2f}")  # before update: a line printed by it shows this step
+                # before update: a line printed by it shows this step
+                bar.set_postfix(
+                    loss=f"{row['loss']:.4f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}",
+                    GiB=f"{row['peak_gib']:.2f}",
+                )
                 bar.update(1)
                 signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
                 if signum:
                     bar.close()
                     del steps
                     path = ckpt.save(cfg.out, module, optimizer, scheduler, state)
-                    raise Interrupted(signum,
-                                      f"stopped at step {state['step']}; checkpoint saved to {path}; rerun the same "
-                                      "command to resume")
-                if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < cfg.steps:
+                    raise Interrupted(
+                        signum,
+                        f"stopped at step {state['step']}; checkpoint saved to {path}; rerun the same "
+                        "command to resume",
+                    )
+                if (
+                    cfg.checkpoint_every
+                    and state["step"] % cfg.checkpoint_every == 0
+                    and state["step"] < cfg.steps
+                ):
                     ckpt.save(cfg.out, module, optimizer, scheduler, state)
     finally:  # an error mid-run too: the bar's timer stops with it
         bar.close()
@@ -146,8 +202,10 @@ def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
         return
     problem = sampled_targets_problem(cfg.divergence, cfg.temperature, cfg.top_k)
     if problem:
-        raise ValueError(f"cache {cfg.cache}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
-                         "--top-k, or train on a top-K cache")
+        raise ValueError(
+            f"cache {cfg.cache}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
+            "--top-k, or train on a top-K cache"
+        )
 
 
 def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> None:
@@ -156,18 +214,30 @@ def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> N
     if dist.rank() != 0:
         return
     if samples > stream.per_epoch:
-        print(f"topkd train: warning: {cfg.steps} steps x {samples // cfg.steps} samples = {samples} samples, "
-              f"{samples / stream.per_epoch:.1f} epochs over the {stream.per_epoch} samples of this data; every "
-              "sample is seen more than once", file=sys.stderr, flush=True)
+        print(
+            f"topkd train: warning: {cfg.steps} steps x {samples // cfg.steps} samples = {samples} samples, "
+            f"{samples / stream.per_epoch:.1f} epochs over the {stream.per_epoch} samples of this data; every "
+            "sample is seen more than once",
+            file=sys.stderr,
+            flush=True,
+        )
     if cfg.steps < cfg.warmup_steps:
-        print(f"topkd train: warning: --steps {cfg.steps} is below --warmup-steps {cfg.warmup_steps}: the learning "
-              "rate never reaches --lr", file=sys.stderr, flush=True)
+        print(
+            f"topkd train: warning: --steps {cfg.steps} is below --warmup-steps {cfg.warmup_steps}: the learning "
+            "rate never reaches --lr",
+            file=sys.stderr,
+            flush=True,
+        )
     cached = stream.source.seq_len
     if stream.seq_len > cached and stream.packing != "none":
-        print(f"topkd train: warning: --seq-len {stream.seq_len} is longer than the cache's {cached}-token sequences: "
-              "each sample joins several of them, which the teacher never saw as one context (positions and "
-              f"attention restart at each), so no token gets more than {cached} tokens of context; use --seq-len "
-              f"{cached} or less, or rebuild the cache with a longer --seq-len", file=sys.stderr, flush=True)
+        print(
+            f"topkd train: warning: --seq-len {stream.seq_len} is longer than the cache's {cached}-token sequences: "
+            "each sample joins several of them, which the teacher never saw as one context (positions and "
+            f"attention restart at each), so no token gets more than {cached} tokens of context; use --seq-len "
+            f"{cached} or less, or rebuild the cache with a longer --seq-len",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
@@ -175,26 +245,42 @@ def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
     if cfg.cache:
         return TopKCache(cfg.cache)
     temperatures = [cfg.temperature] if loss_options(cfg).needs_logz else []
-    return OnlineTeacher(load_teacher(cfg.teacher, device=device), cfg.data, cfg.seq_len, cfg.online_k,
-                         temperatures, cfg.text_field, cfg.max_sequences, cfg.messages_field, cfg.train_on)
+    return OnlineTeacher(
+        load_teacher(cfg.teacher, device=device),
+        cfg.data,
+        cfg.seq_len,
+        cfg.online_k,
+        temperatures,
+        cfg.text_field,
+        cfg.max_sequences,
+        cfg.messages_field,
+        cfg.train_on,
+    )
 
 
 def check_top_k(top_k: int, source: SequenceSource) -> None:
     """--top-k takes the first N columns, which are the teacher's N most likely tokens only in rank-ordered rows."""
     if top_k and not source.k:
-        raise ValueError(f"top_k={top_k}: expected rank-ordered teacher rows (a cache, or --online-k), got "
-                         "full-vocabulary online rows; use --online-k instead")
+        raise ValueError(
+            f"top_k={top_k}: expected rank-ordered teacher rows (a cache, or --online-k), got "
+            "full-vocabulary online rows; use --online-k instead"
+        )
     if top_k > source.k:
-        raise ValueError(f"top_k: expected at most the teacher rows' K={source.k}, got {top_k}; build the cache "
-                         "with a larger --k")
+        raise ValueError(
+            f"top_k: expected at most the teacher rows' K={source.k}, got {top_k}; build the cache "
+            "with a larger --k"
+        )
 
 
 def save_final(module: KDStudent, student, cfg: TrainConfig) -> None:
     """save_pretrained of the unsharded student (safetensors) in OUT/final, written by rank 0; a LoRA student's
     adapters (and base, or the merged model) instead (topkd.train.lora)."""
     path = os.path.join(cfg.out, "final")
-    if cfg.lora_rank:  # one process only (refused under torchrun): the module's weights are the student's
-        save_lora_student(student.model, student.tokenizer, path, cfg.merge, base_dir=cfg.student or None)
+    # one process only (refused under torchrun): the module's weights are the student's
+    if cfg.lora_rank:
+        save_lora_student(
+            student.model, student.tokenizer, path, cfg.merge, base_dir=cfg.student or None
+        )
         return
     weights = full_state_dict(module)  # a collective; keys carry the wrapper's "model." prefix
     if dist.rank() == 0:
@@ -223,8 +309,14 @@ def step_loader(stream: SampleStream, cfg: TrainConfig, state: dict, workers: in
     data = _StepBatches(stream, cfg, state["samples"], cfg.steps - state["step"])
     if workers == 0:
         return (data[i] for i in range(len(data)))
-    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=2,
-                                         multiprocessing_context="fork", worker_init_fn=_ignore_interrupts)
+    loader = torch.utils.data.DataLoader(
+        data,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=2,
+        multiprocessing_context="fork",
+        worker_init_fn=_ignore_interrupts,
+    )
     return iter(loader)
 
 
@@ -233,21 +325,33 @@ def _ignore_interrupts(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def step_batches(stream: SampleStream, cfg: TrainConfig, first_sample: int) -> list[dict[str, torch.Tensor]]:
+def step_batches(
+    stream: SampleStream, cfg: TrainConfig, first_sample: int
+) -> list[dict[str, torch.Tensor]]:
     """This rank's micro-batches of the step starting at first_sample. Micro-batch m of rank r holds
     samples (m * world + r) * batch_size onwards, so N ranks with --batch-size b see exactly the
     samples one process with --batch-size N*b would."""
     world, rank, size = dist.world(), dist.rank(), cfg.batch_size
-    return [stream.batch(first_sample + (m * world + rank) * size, size) for m in range(cfg.grad_accum)]
+    return [
+        stream.batch(first_sample + (m * world + rank) * size, size) for m in range(cfg.grad_accum)
+    ]
 
 
-def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cfg: TrainConfig, state: dict,
-               micro: list[dict] | None = None) -> dict:
+def train_step(
+    module: KDStudent,
+    stream: SampleStream,
+    optimizer,
+    scheduler,
+    cfg: TrainConfig,
+    state: dict,
+    micro: list[dict] | None = None,
+) -> dict:
     """One optimizer step: grad_accum micro-batches per rank, normalised by the global batch's counted tokens.
     micro: the step's batches when already loaded (step_loader); otherwise read from the stream here."""
     start = time.perf_counter()
     world, rank, size = dist.world(), dist.rank(), cfg.batch_size
-    torch.manual_seed(cfg.seed * 1_000_003 + state["step"] * world + rank)  # dropout etc.: resume needs no RNG state
+    # dropout etc.: resume needs no RNG state
+    torch.manual_seed(cfg.seed * 1_000_003 + state["step"] * world + rank)
     device = next(module.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # peak_gib is this step's
@@ -260,22 +364,32 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
             loss = module(batch) / max(tokens, 1)
         loss.backward()
         total += float(loss.detach())
-        kd_sum, ce_sum = kd_sum + float(parts["kd"]), ce_sum + float(parts["ce"])  # loss.detach() synced already
+        # loss.detach() synced already
+        kd_sum, ce_sum = (kd_sum + float(parts["kd"]), ce_sum + float(parts["ce"]))
     params = [p for p in module.parameters() if p.grad is not None]
-    grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
+    grad_norm = scalar(
+        torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
+    )
     lr, loss = optimizer.param_groups[0]["lr"], dist.all_sum(total)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if not tokens and rank == 0:  # loss and gradient 0: an update would only apply decay and stale momentum
-        print(f"topkd train: warning: step {state['step'] + 1}: its samples hold no counted token (chat prompts "
-              "only); skipped, the weights were not updated", file=sys.stderr, flush=True)
+    # loss and gradient 0: an update would only apply decay and stale momentum
+    if not tokens and rank == 0:
+        print(
+            f"topkd train: warning: step {state['step'] + 1}: its samples hold no counted token (chat prompts "
+            "only); skipped, the weights were not updated",
+            file=sys.stderr,
+            flush=True,
+        )
     if finite and tokens:
         optimizer.step()
     elif not finite and not cfg.skip_nonfinite:  # never apply, let alone checkpoint, NaN weights
         last = ckpt.latest_step(cfg.out)
-        raise ValueError(f"step {state['step'] + 1}: loss {loss} / gradient norm {grad_norm} is not finite; the "
-                         "weights were not updated and the newest checkpoint "
-                         f"({'none' if last is None else f'step {last}'}) is intact; lower --lr, check the data, or "
-                         "pass --skip-nonfinite to skip such steps")
+        raise ValueError(
+            f"step {state['step'] + 1}: loss {loss} / gradient norm {grad_norm} is not finite; the "
+            "weights were not updated and the newest checkpoint "
+            f"({'none' if last is None else f'step {last}'}) is intact; lower --lr, check the data, or "
+            "pass --skip-nonfinite to skip such steps"
+        )
     scheduler.step()
     epoch = state["samples"] // stream.per_epoch
     state["step"] += 1
@@ -286,10 +400,20 @@ def train_step(module: KDStudent, stream: SampleStream, optimizer, scheduler, cf
     parts = {"kd_loss": dist.all_sum(kd_sum) / max(tokens, 1)} if cfg.objective == "kd" else {}
     if cfg.objective == "kd" and cfg.ce_weight:
         parts["ce_loss"] = dist.all_sum(ce_sum) / max(tokens, 1)
-    return {"step": state["step"], "epoch": epoch, "loss": loss, **parts, "lr": lr, "grad_norm": grad_norm,
-            "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "peak_gib": dist.all_max(process_peak_bytes(device) / 2**30), **_reserved_gib(device),
-            **({} if finite else {"skipped": True})}
+    return {
+        "step": state["step"],
+        "epoch": epoch,
+        "loss": loss,
+        **parts,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": int(tokens),
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "peak_gib": dist.all_max(process_peak_bytes(device) / 2**30),
+        **_reserved_gib(device),
+        **({} if finite else {"skipped": True}),
+    }
 
 
 def _reserved_gib(device: torch.device) -> dict:
@@ -298,11 +422,17 @@ def _reserved_gib(device: torch.device) -> dict:
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return batch if device.type == "cpu" else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return (
+        batch
+        if device.type == "cpu"
+        else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    )
 
 
 def _autocast(enabled: bool, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+    return (
+        torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+    )
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -352,7 +482,8 @@ def plot_losses(metrics_path: str, out: str, title: str = "") -> None:
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.yaxis.set_minor_formatter(ScalarFormatter())  # labels on the minor ticks too, when a decade is all there is
+    # labels on the minor ticks too, when a decade is all there is
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     if ax.get_legend_handles_labels()[0][1:]:
         ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)

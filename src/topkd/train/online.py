@@ -10,6 +10,7 @@ per-document context, so with k equal to the cache's K the only difference from 
 training is the cache's log-prob quantisation. k=0 keeps the full distribution: teacher ids
 0..V-1 on every row, which costs [tokens, V] memory, as online KD does.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,18 +28,43 @@ from topkd.models import model_head, soft_cap
 class OnlineTeacher:
     """A sequence source (like TopKCache) whose teacher rows are computed when a sequence is read."""
 
-    def __init__(self, teacher: Teacher, data: list[str], seq_len: int, k: int, temperatures: list[float],
-                 text_field: str = "text", max_sequences: int = 0, messages_field: str = "messages",
-                 train_on: str = "assistant"):
+    def __init__(
+        self,
+        teacher: Teacher,
+        data: list[str],
+        seq_len: int,
+        k: int,
+        temperatures: list[float],
+        text_field: str = "text",
+        max_sequences: int = 0,
+        messages_field: str = "messages",
+        train_on: str = "assistant",
+    ):
         if not 0 <= k <= teacher.vocab:
-            raise ValueError(f"online_k: expected 0 (full vocabulary) or 1..{teacher.vocab}, got {k}")
-        self.teacher, self.seq_len, self.k, self.temperatures = teacher, seq_len, k, list(temperatures)
+            raise ValueError(
+                f"online_k: expected 0 (full vocabulary) or 1..{teacher.vocab}, got {k}"
+            )
+        self.teacher, self.seq_len, self.k, self.temperatures = (
+            teacher,
+            seq_len,
+            k,
+            list(temperatures),
+        )
         self.separator = teacher.tokenizer.eos_token_id
         self.vocab_size = teacher.vocab
-        documents = iter_documents(data, teacher.tokenizer, text_field, vocab=teacher.vocab,
-                                   messages_field=messages_field, train_on=train_on)
-        self.sequences = list(itertools.islice(pack_sequences(documents, seq_len, self.separator),
-                                               max_sequences or None))
+        documents = iter_documents(
+            data,
+            teacher.tokenizer,
+            text_field,
+            vocab=teacher.vocab,
+            messages_field=messages_field,
+            train_on=train_on,
+        )
+        self.sequences = list(
+            itertools.islice(
+                pack_sequences(documents, seq_len, self.separator), max_sequences or None
+            )
+        )
         if not self.sequences:
             raise ValueError(f"data: expected text to train on, got no tokens from {data}")
 
@@ -52,8 +78,13 @@ class OnlineTeacher:
         return [np.union1d([0], s.doc_starts).astype(np.int64) for s in self.sequences]
 
     def check_student(self, vocab_size: int, tokenizer=None) -> None:
-        check_student_fits(self.vocab_size, tokenizer_hash(self.teacher.tokenizer), vocab_size, tokenizer,
-                           self.teacher.tokenizer)
+        check_student_fits(
+            self.vocab_size,
+            tokenizer_hash(self.teacher.tokenizer),
+            vocab_size,
+            tokenizer,
+            self.teacher.tokenizer,
+        )
 
     @property
     def teacher_dir(self) -> str:
@@ -73,7 +104,9 @@ class OnlineTeacher:
 
     @property
     def counted_tokens(self) -> int:
-        return sum(len(s.tokens) if s.row_mask is None else int(s.row_mask.sum()) for s in self.sequences)
+        return sum(
+            len(s.tokens) if s.row_mask is None else int(s.row_mask.sum()) for s in self.sequences
+        )
 
     def load_teacher(self) -> Teacher:
         """The teacher (already in memory here): what --init-from-teacher copies layers from."""
@@ -81,25 +114,48 @@ class OnlineTeacher:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         seq = self.sequences[i]
-        ids = torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64))[None].to(self.teacher.model.device)
+        ids = torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64))[None].to(
+            self.teacher.model.device
+        )
         pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(ids.device)
-        temps = tuple(self.temperatures)  # top-K rows through the TeacherEngine interface, as the cache build
-        rows = self.teacher.sequence_rows([seq], self.k, temps, 1)[0] if self.k else self._full_rows(ids, pos, temps)
-        mask = {} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}  # chat: as the cache
-        return {"input_ids": ids[0].cpu(), "teacher_ids": torch.as_tensor(rows.ids),
-                "teacher_logprobs": torch.as_tensor(rows.logprobs), "logz": torch.as_tensor(rows.logz),
-                "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)), **mask}
+        # top-K rows through the TeacherEngine interface, as the cache build
+        temps = tuple(self.temperatures)
+        rows = (
+            self.teacher.sequence_rows([seq], self.k, temps, 1)[0]
+            if self.k
+            else self._full_rows(ids, pos, temps)
+        )
+        # chat: as the cache
+        mask = {} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}
+        return {
+            "input_ids": ids[0].cpu(),
+            "teacher_ids": torch.as_tensor(rows.ids),
+            "teacher_logprobs": torch.as_tensor(rows.logprobs),
+            "logz": torch.as_tensor(rows.logz),
+            "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)),
+            **mask,
+        }
 
     @torch.no_grad()  # not inference_mode: these rows go into the autograd graph of the student's loss
-    def _full_rows(self, ids: torch.Tensor, pos: torch.Tensor, temps: tuple[float, ...]) -> EngineRows:
+    def _full_rows(
+        self, ids: torch.Tensor, pos: torch.Tensor, temps: tuple[float, ...]
+    ) -> EngineRows:
         """log softmax over the whole vocabulary (no tail); c_T = logsumexp(log p / T) per temperature."""
         h = self.teacher.hidden_states(ids, pos)[0].float()
         weight, bias = self.teacher.head_fp32
         z = soft_cap(torch.nn.functional.linear(h, weight, bias), model_head(self.teacher.model)[2])
         logprobs = torch.log_softmax(z, dim=-1)
-        logz = torch.stack([torch.logsumexp(logprobs / t, dim=-1) for t in temps], 1) if temps else \
-            torch.zeros(len(z), 0)
+        logz = (
+            torch.stack([torch.logsumexp(logprobs / t, dim=-1) for t in temps], 1)
+            if temps
+            else torch.zeros(len(z), 0)
+        )
         all_ids = torch.arange(self.vocab_size, dtype=torch.int32).expand(len(z), -1)
         n = len(z)
-        return EngineRows(ids=all_ids.clone().numpy(), logprobs=logprobs.cpu().numpy(), log_mass=np.zeros(n, np.float32),
-                          log_tail=np.full(n, -np.inf, np.float32), logz=logz.cpu().numpy())
+        return EngineRows(
+            ids=all_ids.clone().numpy(),
+            logprobs=logprobs.cpu().numpy(),
+            log_mass=np.zeros(n, np.float32),
+            log_tail=np.full(n, -np.inf, np.float32),
+            logz=logz.cpu().numpy(),
+        )

@@ -8,6 +8,7 @@ embeddings, final norm and lm_head when that forward starts, so the loss sees th
 Gradients are summed over ranks, not averaged: each rank's loss is already divided by the token
 count of the whole global batch, so the sum is the exact gradient of the global mean.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,11 @@ def shard_student(module: nn.Module, bf16: bool = False) -> nn.Module:
         return module
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     for block in module.model.get_decoder().layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
@@ -39,7 +43,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded parameters and buffers on CPU (a collective: every rank must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def scalar(t: torch.Tensor) -> float:

@@ -8,6 +8,7 @@ one scalar at x = step, written by rank 0. A resumed run continues the same reco
 events past the checkpoint it resumes from (they are recomputed), and wandb continues the run whose id is
 kept in OUT/wandb_id. Nothing leaves the machine by default: `wandb sync OUT/wandb/offline-run-*` uploads.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ def require_reporter(kind: str) -> None:
         try:
             __import__(kind)
         except ImportError:
-            raise ValueError(f"--report-to {kind}: expected the {kind} package, got none installed; pip install "
-                             f"'topkd[hf]' ({PACKAGES[kind]}), or --report-to none") from None
+            raise ValueError(
+                f"--report-to {kind}: expected the {kind} package, got none installed; pip install "
+                f"'topkd[hf]' ({PACKAGES[kind]}), or --report-to none"
+            ) from None
 
 
 class _Nothing:
@@ -50,7 +53,9 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: events a killed run wrote past the checkpoint are dropped (those steps run again)
-        self.writer = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=first_step + 1 if first_step else None)
+        self.writer = SummaryWriter(
+            os.path.join(out, "tensorboard"), purge_step=first_step + 1 if first_step else None
+        )
 
     def log(self, row: dict) -> None:
         for name, value in _scalars(row).items():
@@ -68,8 +73,14 @@ class _Wandb:
         id_path = os.path.join(out, "wandb_id")
         run_id = open(id_path).read().strip() if os.path.exists(id_path) else secrets.token_hex(4)
         write_atomic(id_path, run_id.encode())
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "topkd"), dir=out, id=run_id, resume="allow",
-                              config=config, mode=os.environ.get("WANDB_MODE", "offline"))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "topkd"),
+            dir=out,
+            id=run_id,
+            resume="allow",
+            config=config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+        )
 
     def log(self, row: dict) -> None:
         self.run.log(_scalars(row), step=row["step"])
@@ -87,5 +98,8 @@ def open_reporter(kind: str, out: str, config: dict, first_step: int) -> Reporte
 
 
 def _scalars(row: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and
-            not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }

@@ -7,6 +7,7 @@ The loss is computed inside the module's forward, where a sharding wrapper (FSDP
 gathered the lm_head weight. Student lm_head rows beyond the teacher's vocabulary (padding) are
 left out of the projection, so they get no probability mass and no gradient.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,10 @@ def load_student(cfg, source: TopKCache) -> Student:
     else:
         model, tokenizer = load_causal_lm(cfg.student, "float32", "cpu", role="student")
     rows = model.get_output_embeddings().weight.shape[0]
-    source.check_student(vocab_size=max(rows, source.vocab_size) if cfg.fold_beyond_vocab else rows,
-                         tokenizer=tokenizer)
+    source.check_student(
+        vocab_size=max(rows, source.vocab_size) if cfg.fold_beyond_vocab else rows,
+        tokenizer=tokenizer,
+    )
     model.config.use_cache = False
     model = model.float().train()
     if cfg.lora_rank:  # adapters on the body; every base weight and the lm_head frozen
@@ -73,45 +76,84 @@ class KDStudent(nn.Module):
     on hard labels only (the no-teacher baseline); top_k > 0 distils from the first top_k columns of the
     (rank-ordered) rows."""
 
-    def __init__(self, model: nn.Module, teacher_vocab: int, options: LossOptions,
-                 activation_checkpointing: bool = False, objective: str = "kd", top_k: int = 0,
-                 head_dtype: torch.dtype = torch.float32, fold_beyond_vocab: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        teacher_vocab: int,
+        options: LossOptions,
+        activation_checkpointing: bool = False,
+        objective: str = "kd",
+        top_k: int = 0,
+        head_dtype: torch.dtype = torch.float32,
+        fold_beyond_vocab: bool = False,
+    ):
         super().__init__()
         if not isinstance(options, LossOptions):
-            raise TypeError(f"KDStudent: expected options=topkd.LossOptions(...), got {type(options).__name__}")
-        softcap = getattr(model.config, "final_logit_softcapping", None) or None  # Gemma-2 style: the loss caps too
+            raise TypeError(
+                f"KDStudent: expected options=topkd.LossOptions(...), got {type(options).__name__}"
+            )
+        # Gemma-2 style: the loss caps too
+        softcap = getattr(model.config, "final_logit_softcapping", None) or None
         if softcap and objective == "ce":
-            raise ValueError(f"objective='ce': expected a student without final logit soft-capping, got "
-                             f"final_logit_softcapping={softcap} (torch's linear cross entropy cannot cap); use "
-                             "objective='kd' with ce_weight, which caps")
+            raise ValueError(
+                f"objective='ce': expected a student without final logit soft-capping, got "
+                f"final_logit_softcapping={softcap} (torch's linear cross entropy cannot cap); use "
+                "objective='kd' with ce_weight, which caps"
+            )
         self.model, self.teacher_vocab = model, teacher_vocab
         self.options = options  # batch_loss adds the model's own soft-cap
         self.objective, self.top_k = objective, top_k
-        self.head_dtype = head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
+        self.head_dtype = (
+            head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
+        )
         self.fold_beyond_vocab = fold_beyond_vocab
         if activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = final_hidden(self.model, batch["input_ids"], batch["position_ids"])
-        return batch_loss(self.model, hidden, batch, self.options, self.teacher_vocab, self.top_k,
-                          self.head_dtype, self.objective, self.fold_beyond_vocab)
+        return batch_loss(
+            self.model,
+            hidden,
+            batch,
+            self.options,
+            self.teacher_vocab,
+            self.top_k,
+            self.head_dtype,
+            self.objective,
+            self.fold_beyond_vocab,
+        )
 
 
-def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Tensor], options: LossOptions,
-               teacher_vocab: int | None = None, top_k: int = 0, head_dtype: torch.dtype = torch.float32,
-               objective: str = "kd", fold_beyond_vocab: bool = False) -> torch.Tensor:
+def batch_loss(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    options: LossOptions,
+    teacher_vocab: int | None = None,
+    top_k: int = 0,
+    head_dtype: torch.dtype = torch.float32,
+    objective: str = "kd",
+    fold_beyond_vocab: bool = False,
+) -> torch.Tensor:
     """The summed KD (+ CE) loss of a batch's counted tokens from the student's final hidden states and its head
     (topkd train's KDStudent and topkd.hf's trainer both end here). An FSDP2-sharded head weight (a DTensor) is
     gathered with a gradient back to its shards; rows beyond the teacher's vocabulary are left out."""
     weight, bias, softcap = model_head(model)
     weight, bias = _gathered(weight), None if bias is None else _gathered(bias)
     vocab = teacher_vocab or weight.shape[0]
-    weight = weight[:vocab].to(head_dtype)  # the casts' backward returns dW to the fp32 master weights
+    # the casts' backward returns dW to the fp32 master weights
+    weight = weight[:vocab].to(head_dtype)
     bias = None if bias is None else bias[:vocab].to(head_dtype)
     if objective == "ce":
-        return linear_cross_entropy_sum(hidden.to(head_dtype).reshape(-1, hidden.shape[-1]), weight, bias,
-                                        batch["labels"].reshape(-1))
+        return linear_cross_entropy_sum(
+            hidden.to(head_dtype).reshape(-1, hidden.shape[-1]),
+            weight,
+            bias,
+            batch["labels"].reshape(-1),
+        )
     opts = dataclasses.replace(options, softcap=softcap, reduction="sum")
     logz = batch["teacher_logz"] if opts.needs_logz else None
     labels = batch["labels"] if opts.needs_labels else None
@@ -119,18 +161,29 @@ def batch_loss(model: nn.Module, hidden: torch.Tensor, batch: dict[str, torch.Te
     ids, logprobs = batch["teacher_ids"][..., :keep], batch["teacher_logprobs"][..., :keep]
     if fold_beyond_vocab:
         weight, bias, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
-    return kd_loss(hidden.to(head_dtype), weight, ids, logprobs, opts, mask=batch["kd_mask"], teacher_logz=logz,
-                   labels=labels, bias=bias)
+    return kd_loss(
+        hidden.to(head_dtype),
+        weight,
+        ids,
+        logprobs,
+        opts,
+        mask=batch["kd_mask"],
+        teacher_logz=logz,
+        labels=labels,
+        bias=bias,
+    )
 
 
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             labels: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+) -> torch.Tensor:
     """Summed CE of hidden @ weight.T (+ bias) at labels (-100 ignored), never forming [N, V]: torch's fused
     linear cross entropy where this torch has it (>= 2.12), else topkd's fused loss at K = 1 (the label with
     teacher probability 1, so the bucket KL is -log q_label: exactly CE)."""
     if hasattr(torch.nn.functional, "linear_cross_entropy"):
-        return torch.nn.functional.linear_cross_entropy(hidden, weight, labels, linear_bias=bias, reduction="sum",
-                                                        ignore_index=-100)
+        return torch.nn.functional.linear_cross_entropy(
+            hidden, weight, labels, linear_bias=bias, reduction="sum", ignore_index=-100
+        )
     counted = labels != -100
     ids = torch.where(counted, labels, 0)[:, None]
     logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
@@ -141,7 +194,10 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
     """A whole tensor: FSDP2 keeps sharded parameters as DTensors outside their module's forward."""
     from torch.distributed.tensor import DTensor
 
-    if hasattr(param, "ds_id") and param.numel() == 0:  # DeepSpeed ZeRO-3: an empty placeholder outside its forward
-        raise ValueError("lm_head: expected the weight itself, got a DeepSpeed ZeRO-3 partition (empty outside the "
-                         "module's forward); shard with FSDP2 (fully_shard), whose DTensor weight topkd gathers")
+    # DeepSpeed ZeRO-3: an empty placeholder outside its forward
+    if hasattr(param, "ds_id") and param.numel() == 0:
+        raise ValueError(
+            "lm_head: expected the weight itself, got a DeepSpeed ZeRO-3 partition (empty outside the "
+            "module's forward); shard with FSDP2 (fully_shard), whose DTensor weight topkd gathers"
+        )
     return param.full_tensor() if isinstance(param, DTensor) else param
