@@ -33,39 +33,72 @@ def check_values(
     """Value checks on the counted tokens ([n, K] etc.). Meta tensors (cost-model traces) have no values."""
     if ids.numel() == 0 or ids.device.type == "meta":
         return
+    padding = _check_ids(ids, logprobs, vocab)
+    tempered_logz = logz if (logz is not None and tail == "bucket") else None
+    dup_rows, mass, tempered = _scan_rows(ids, logprobs, padding, tempered_logz, temperature)
+    if dup_rows:
+        raise ValueError(
+            f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
+            "token(s); drop repeated ids"
+        )
+    _check_logprobs(logprobs, mass)
+    if logz is not None:
+        _need(
+            bool(torch.isfinite(logz).all()),
+            "teacher_logz: expected finite c_T values, got NaN/inf",
+        )
+    if tempered_logz is not None:
+        _need(
+            tempered <= 1 + MASS_SLACK,
+            f"teacher_logz: tempered top-K mass exp(a/T - c_T) sums to {tempered:.4g} > 1; c_T must "
+            f"be log sum_v exp(a_v/T) over the full vocabulary at T={temperature}",
+        )
+    if labels is not None:
+        _check_labels(labels, vocab)
+
+
+def _check_ids(ids: Tensor, logprobs: Tensor, vocab: int) -> Tensor | None:
+    """Every counted token has a real entry and every real id is in the vocabulary; returns where the padding
+    entries are (None: there are none)."""
     padding = logprobs == -math.inf
-    padded = bool(padding.any())
-    if padded:
+    if not bool(padding.any()):
+        padding = None
+    else:
         empty = int(padding.all(dim=-1).sum())
         _need(
             not empty,
             f"teacher_logprobs: expected at least one real entry (a finite log-prob) per counted "
             f"token, got {empty} token(s) of padding only (-inf everywhere); mask those tokens out",
         )
-    real = ids[~padding] if padded else ids
+    real = ids if padding is None else ids[~padding]
     lo, hi = int(real.min()), int(real.max())
     _need(
         lo >= 0 and hi < vocab,
         f"teacher_ids: expected values in [0, {vocab}), got range [{lo}, {hi}]; "
         "is the cache built for another vocabulary?",
     )
-    tempered_logz = logz if (logz is not None and tail == "bucket") else None
+    return padding
+
+
+def _scan_rows(
+    ids, logprobs, padding, tempered_logz, temperature: float
+) -> tuple[int, float, float]:
+    """Rows with a repeated id, the largest top-K mass and the largest tempered mass, in row blocks (no N x K
+    float64 temporaries)."""
     dup_rows, mass, tempered = 0, 0.0, 0.0
-    for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):  # blocks: no N x K float64 temporaries
+    for a in range(0, ids.shape[0], VALUE_CHECK_ROWS):
         block = slice(a, a + VALUE_CHECK_ROWS)
-        dup_rows += _duplicate_rows(
-            _distinct_padding(ids[block], padding[block]) if padded else ids[block]
-        )
+        distinct = ids[block] if padding is None else _distinct_padding(ids[block], padding[block])
+        dup_rows += _duplicate_rows(distinct)
         lp = logprobs[block].double()
         mass = max(mass, lp.exp().sum(-1).max().item())
         if tempered_logz is not None:
             shifted = lp / temperature - tempered_logz[block].double().unsqueeze(-1)
             tempered = max(tempered, shifted.exp().sum(-1).max().item())
-    if dup_rows:
-        raise ValueError(
-            f"teacher_ids: expected K distinct ids per token, got duplicates in {dup_rows} "
-            "token(s); drop repeated ids"
-        )
+    return dup_rows, mass, tempered
+
+
+def _check_logprobs(logprobs: Tensor, mass: float) -> None:
     bad = torch.isnan(logprobs) | (logprobs == math.inf)
     _need(
         not bool(bad.any()),
@@ -83,24 +116,15 @@ def check_values(
         f"teacher_logprobs: expected top-K mass <= 1, got {mass:.4g}; normalise over "
         "the full vocabulary at T=1 (log_softmax), not over the top-K",
     )
-    if logz is not None:
-        _need(
-            bool(torch.isfinite(logz).all()),
-            "teacher_logz: expected finite c_T values, got NaN/inf",
+
+
+def _check_labels(labels: Tensor, vocab: int) -> None:
+    valid = labels[labels != -100]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+        raise ValueError(
+            f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
+            f"[{int(valid.min())}, {int(valid.max())}]"
         )
-        if tempered_logz is not None:
-            _need(
-                tempered <= 1 + MASS_SLACK,
-                f"teacher_logz: tempered top-K mass exp(a/T - c_T) sums to "
-                f"{tempered:.4g} > 1; c_T must be log sum_v exp(a_v/T) over the full vocabulary at T={temperature}",
-            )
-    if labels is not None:
-        valid = labels[labels != -100]
-        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
-            raise ValueError(
-                f"labels: expected -100 (ignored) or values in [0, {vocab}), got range "
-                f"[{int(valid.min())}, {int(valid.max())}]"
-            )
 
 
 def _distinct_padding(ids: Tensor, padding: Tensor) -> Tensor:

@@ -39,16 +39,7 @@ from topkd.signals import Interrupted
 def build(cfg: CacheBuildConfig) -> dict:
     """Build (or resume, or repair) the cache in cfg.out; returns the manifest."""
     check_config(cfg)
-    engine = ENGINES[cfg.engine]
-    rank, world = dist.init(cfg.device) if engine.distributed else (0, 1)
-    teacher = engine.load(
-        cfg.teacher,
-        dtype=cfg.dtype,
-        device=dist.local_device(cfg.device),
-        k=cfg.k,
-        tensor_parallel=cfg.tensor_parallel,
-        seq_len=cfg.seq_len,
-    )
+    rank, world, teacher = _start_engine(cfg)
     check_teacher_fits(teacher, cfg)
     me, builders = cfg.part * world + rank, cfg.parts * world
     # also refuses empty or out-of-vocabulary data
@@ -82,23 +73,54 @@ def build(cfg: CacheBuildConfig) -> dict:
                 "dropped, finished shards are kept; rerun the same command to resume",
             ) from None
         dist.barrier()
-        if cfg.parts > 1:
-            print(
-                f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to "
-                "write the manifest",
-                flush=True,
-            )
+        if cfg.parts > 1 or rank != 0:
+            _say_part_done(cfg)
             return {}
-        if rank != 0:
-            return {}
-        sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
-        missing = [j for j, s in enumerate(sidecars) if s is None]
-        if missing:
-            raise mf.CacheError(
-                f"shards {missing[:10]} are missing or failed verification; rerun the same command"
-            )
-        tokenizer_files = save_teacher_tokenizer(cfg.out, teacher.tokenizer)
-        manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars, tokenizer_files)
+        return _write_manifest(cfg, teacher, fingerprint, build_info, build_hash, n_shards)
+
+
+def _start_engine(cfg: CacheBuildConfig) -> tuple[int, int, TeacherEngine]:
+    """This process's rank and the world (torchrun, for an engine that runs one process per rank), and the
+    teacher loaded by the engine --engine names."""
+    engine = ENGINES[cfg.engine]
+    rank, world = dist.init(cfg.device) if engine.distributed else (0, 1)
+    teacher = engine.load(
+        cfg.teacher,
+        dtype=cfg.dtype,
+        device=dist.local_device(cfg.device),
+        k=cfg.k,
+        tensor_parallel=cfg.tensor_parallel,
+        seq_len=cfg.seq_len,
+    )
+    return rank, world, teacher
+
+
+def _say_part_done(cfg: CacheBuildConfig) -> None:
+    if cfg.parts > 1:
+        print(
+            f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to "
+            "write the manifest",
+            flush=True,
+        )
+
+
+def _write_manifest(
+    cfg: CacheBuildConfig,
+    teacher,
+    fingerprint: dict,
+    build_info: dict,
+    build_hash: str,
+    n_shards: int,
+) -> dict:
+    """Rank 0 of the last part: every shard verified, the tokenizer stored, the manifest written last."""
+    sidecars = [mf.done_shard(cfg.out, j, build_hash) for j in range(n_shards)]
+    missing = [j for j, s in enumerate(sidecars) if s is None]
+    if missing:
+        raise mf.CacheError(
+            f"shards {missing[:10]} are missing or failed verification; rerun the same command"
+        )
+    tokenizer_files = save_teacher_tokenizer(cfg.out, teacher.tokenizer)
+    manifest = mf.write_manifest(cfg.out, fingerprint, build_info, sidecars, tokenizer_files)
     totals = manifest["totals"]
     print(
         f"cache build: wrote {count(totals['shards'], 'shard')}, {count(totals['sequences'], 'sequence')}, "

@@ -349,7 +349,7 @@ def train_step(
     """One optimizer step: grad_accum micro-batches per rank, normalised by the global batch's counted tokens.
     micro: the step's batches when already loaded (step_loader); otherwise read from the stream here."""
     start = time.perf_counter()
-    world, rank, size = dist.world(), dist.rank(), cfg.batch_size
+    world, rank = dist.world(), dist.rank()
     # dropout etc.: resume needs no RNG state
     torch.manual_seed(cfg.seed * 1_000_003 + state["step"] * world + rank)
     device = next(module.parameters()).device
@@ -358,42 +358,16 @@ def train_step(
     micro = [_to(b, device) for b in (micro or step_batches(stream, cfg, state["samples"]))]
     tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
-    total, kd_sum, ce_sum = 0.0, 0.0, 0.0
-    for batch in micro:
-        with _autocast(cfg.autocast_bf16, device), loss_parts() as parts:
-            loss = module(batch) / max(tokens, 1)
-        loss.backward()
-        total += float(loss.detach())
-        # loss.detach() synced already
-        kd_sum, ce_sum = (kd_sum + float(parts["kd"]), ce_sum + float(parts["ce"]))
+    total, kd_sum, ce_sum = _backward(module, micro, cfg, device, tokens)
     params = [p for p in module.parameters() if p.grad is not None]
-    grad_norm = scalar(
-        torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
-    )
+    clip = cfg.clip if cfg.clip > 0 else math.inf
+    grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, clip))
     lr, loss = optimizer.param_groups[0]["lr"], dist.all_sum(total)
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    # loss and gradient 0: an update would only apply decay and stale momentum
-    if not tokens and rank == 0:
-        print(
-            f"topkd train: warning: step {state['step'] + 1}: its samples hold no counted token (chat prompts "
-            "only); skipped, the weights were not updated",
-            file=sys.stderr,
-            flush=True,
-        )
-    if finite and tokens:
-        optimizer.step()
-    elif not finite and not cfg.skip_nonfinite:  # never apply, let alone checkpoint, NaN weights
-        last = ckpt.latest_step(cfg.out)
-        raise ValueError(
-            f"step {state['step'] + 1}: loss {loss} / gradient norm {grad_norm} is not finite; the "
-            "weights were not updated and the newest checkpoint "
-            f"({'none' if last is None else f'step {last}'}) is intact; lower --lr, check the data, or "
-            "pass --skip-nonfinite to skip such steps"
-        )
+    finite = _update(optimizer, cfg, state["step"] + 1, loss, grad_norm, tokens)
     scheduler.step()
     epoch = state["samples"] // stream.per_epoch
     state["step"] += 1
-    state["samples"] += size * cfg.grad_accum * world
+    state["samples"] += cfg.batch_size * cfg.grad_accum * world
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the optimizer step's kernels are part of the step's time
     seconds = time.perf_counter() - start
@@ -414,6 +388,46 @@ def train_step(
         **_reserved_gib(device),
         **({} if finite else {"skipped": True}),
     }
+
+
+def _backward(module: KDStudent, micro: list[dict], cfg: TrainConfig, device, tokens: int):
+    """Forward and backward of each micro-batch, gradients accumulating; the loss and its KD and CE sums."""
+    total, kd_sum, ce_sum = 0.0, 0.0, 0.0
+    for batch in micro:
+        with _autocast(cfg.autocast_bf16, device), loss_parts() as parts:
+            loss = module(batch) / max(tokens, 1)
+        loss.backward()
+        total += float(loss.detach())
+        kd_sum += float(parts["kd"])  # loss.detach() synced already: these cost no wait
+        ce_sum += float(parts["ce"])
+    return total, kd_sum, ce_sum
+
+
+def _update(
+    optimizer, cfg: TrainConfig, step: int, loss: float, grad_norm: float, tokens: int
+) -> bool:
+    """Apply the step's update if it has counted tokens and finite numbers; a non-finite one stops the run
+    (unless --skip-nonfinite). Returns whether the numbers were finite."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    # loss and gradient 0: an update would only apply decay and stale momentum
+    if not tokens and dist.rank() == 0:
+        print(
+            f"topkd train: warning: step {step}: its samples hold no counted token (chat prompts "
+            "only); skipped, the weights were not updated",
+            file=sys.stderr,
+            flush=True,
+        )
+    if finite and tokens:
+        optimizer.step()
+    elif not finite and not cfg.skip_nonfinite:  # never apply, let alone checkpoint, NaN weights
+        last = ckpt.latest_step(cfg.out)
+        raise ValueError(
+            f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; the "
+            "weights were not updated and the newest checkpoint "
+            f"({'none' if last is None else f'step {last}'}) is intact; lower --lr, check the data, or "
+            "pass --skip-nonfinite to skip such steps"
+        )
+    return finite
 
 
 def _reserved_gib(device: torch.device) -> dict:
