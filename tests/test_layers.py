@@ -169,3 +169,16 @@ def test_the_package_never_imports_the_benchmark_scripts():
     assert [p.name for p in SRC.rglob("*.py") if imports_benchmarks(p)] == []
     # it imports benchmarks.targets: the check can fail
     assert imports_benchmarks(BENCHMARKS / "gpu.py")
+
+
+@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_module_imports_another_modules_private_names(path):
+    """A leading underscore means "this module's own": another module (bench included) imports only the rest."""
+    private = [
+        f"{node.module}.{a.name}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("topkd")
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+    assert not private, f"{path.relative_to(SRC)} imports {private}"

@@ -16,6 +16,7 @@ assistant tokens. Writes report.txt, report.json and demo.png in --out.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -23,13 +24,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from topkd.cache import CacheBuildConfig, TopKCache, build
+from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
-from topkd.demo_chat import run_chat_step
+from topkd.demo_chat import cache_step, models_to_score, run_chat_step, train_students
 from topkd.demo_report import write_report
 from topkd.eval.run import EvalConfig, run_eval
 from topkd.stamp import stamp
-from topkd.train import TrainConfig, train
 from topkd.train.student import cut_layers
 
 HELD_OUT = "hamlet_gut.txt"
@@ -105,67 +105,27 @@ def run_demo(cfg: DemoConfig) -> dict:
         timings, "teacher", lambda: hf_teacher(cfg.teacher, os.path.join(cfg.out, "teacher"))
     )
     train_files, heldout = split_texts(cfg.texts)
+    step = functools.partial(_step, timings)  # demo_chat's steps share these timings
     for name, files, seqs in (
         ("cache", train_files, n["train_seqs"]),
         ("heldout-cache", [heldout], n["heldout_seqs"]),
     ):
-        _step(
-            timings,
-            name,
-            lambda f=files, s=seqs, c=name: build(
-                CacheBuildConfig(
-                    teacher=teacher_dir,
-                    data=f,
-                    out=os.path.join(cfg.out, c),
-                    seq_len=cfg.seq_len,
-                    k=cfg.k,
-                    max_sequences=s,
-                )
-            ),
-        )
+        out = os.path.join(cfg.out, name)
+        cache_step(step, name, teacher_dir, files, out, cfg.seq_len, cfg.k, max_sequences=seqs)
     init_dir = _step(
         timings,
         "student-init",
         lambda: save_cut_student(teacher_dir, cfg.layers, os.path.join(cfg.out, "student-init")),
     )
-    for name, objective in (("student-kd", "kd"), ("student-ce", "ce")):
-        _step(
-            timings,
-            name,
-            lambda nm=name, obj=objective: train(
-                TrainConfig(
-                    cache=os.path.join(cfg.out, "cache"),
-                    student=init_dir,
-                    out=os.path.join(cfg.out, nm),
-                    objective=obj,
-                    steps=n["steps"],
-                    batch_size=n["batch_size"],
-                    lr=5e-4,
-                    warmup_steps=n["warmup"],
-                    checkpoint_every=32,
-                )
-            ),
-        )
-    models = {
-        "teacher": teacher_dir,
-        "student-init": init_dir,
-        **{name: os.path.join(cfg.out, name, "final") for name in ("student-kd", "student-ce")},
-    }
+    train_students(step, "", os.path.join(cfg.out, "cache"), init_dir, cfg.out, n)
+    models = models_to_score(teacher_dir, init_dir, cfg.out)
     scores = {}
     for name, path in models.items():
         scores[name] = _step(
             timings, f"eval {name}", lambda nm=name, p=path: evaluate(cfg, nm, p, heldout, n)
         )
     chat = run_chat_step(
-        cfg.out,
-        teacher_dir,
-        init_dir,
-        train_files,
-        heldout,
-        n,
-        cfg.seq_len,
-        cfg.k,
-        lambda name, fn: _step(timings, name, fn),
+        cfg.out, teacher_dir, init_dir, train_files, heldout, n, cfg.seq_len, cfg.k, step
     )
     report = {**make_report(cfg, scores, timings), **({"chat": chat} if chat else {})}
     write_report(cfg.out, report)

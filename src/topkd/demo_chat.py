@@ -92,40 +92,17 @@ def run_chat_step(
         ),
     }
     for name, data in sets.items():
-        step(
+        cache_step(
+            step,
             f"chat {name} cache",
-            lambda d=data, c=name: build(
-                CacheBuildConfig(
-                    teacher=teacher_dir,
-                    data=[d],
-                    out=os.path.join(chat, f"{c}-cache"),
-                    seq_len=seq_len,
-                    k=k,
-                )
-            ),
+            teacher_dir,
+            [data],
+            os.path.join(chat, f"{name}-cache"),
+            seq_len,
+            k,
         )
-    for name, objective in (("student-kd", "kd"), ("student-ce", "ce")):
-        step(
-            f"chat {name}",
-            lambda nm=name, obj=objective: train(
-                TrainConfig(
-                    cache=os.path.join(chat, "train-cache"),
-                    student=init_dir,
-                    out=os.path.join(chat, nm),
-                    objective=obj,
-                    steps=n["steps"],
-                    batch_size=n["batch_size"],
-                    lr=5e-4,
-                    warmup_steps=n["warmup"],
-                    checkpoint_every=32,
-                )
-            ),
-        )
-    models = {
-        "teacher": teacher_dir,
-        "student-init": init_dir,
-        **{name: os.path.join(chat, name, "final") for name in ("student-kd", "student-ce")},
-    }
+    train_students(step, "chat ", os.path.join(chat, "train-cache"), init_dir, chat, n)
+    models = models_to_score(teacher_dir, init_dir, chat)
     scores = {
         name: step(f"chat eval {name}", lambda nm=name, p=path: _score(chat, nm, p))
         for name, path in models.items()
@@ -139,6 +116,52 @@ def run_chat_step(
         "conversations": {name: sum(1 for _ in open(path)) for name, path in sets.items()},
         "models": scores,
     }
+
+
+STUDENTS = {
+    "student-kd": "kd",
+    "student-ce": "ce",
+}  # the KD student and its CE control, from the same cut
+
+
+def cache_step(
+    step,
+    name: str,
+    teacher: str,
+    data: list[str],
+    out: str,
+    seq_len: int,
+    k: int,
+    max_sequences: int = 0,
+) -> None:
+    """A demo cache, built (or resumed) as one step."""
+    config = CacheBuildConfig(
+        teacher=teacher, data=data, out=out, seq_len=seq_len, k=k, max_sequences=max_sequences
+    )
+    step(name, lambda: build(config))
+
+
+def train_students(step, prefix: str, cache: str, init_dir: str, out: str, n: dict) -> None:
+    """The KD student and its CE control trained on one cache from the same initialisation, one step each."""
+    for name, objective in STUDENTS.items():
+        config = TrainConfig(
+            cache=cache,
+            student=init_dir,
+            out=os.path.join(out, name),
+            objective=objective,
+            steps=n["steps"],
+            batch_size=n["batch_size"],
+            lr=5e-4,
+            warmup_steps=n["warmup"],
+            checkpoint_every=32,
+        )
+        step(prefix + name, lambda c=config: train(c))
+
+
+def models_to_score(teacher_dir: str, init_dir: str, out: str) -> dict[str, str]:
+    """Every model the demo scores: the teacher, the cut it starts from, and the two students' final weights."""
+    finals = {name: os.path.join(out, name, "final") for name in STUDENTS}
+    return {"teacher": teacher_dir, "student-init": init_dir, **finals}
 
 
 def _score(chat: str, name: str, model: str) -> dict:
