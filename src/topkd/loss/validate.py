@@ -95,6 +95,22 @@ def check_shapes(
         ("teacher_logprobs", logprobs),
     ):
         _type(isinstance(t, Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _check_projection(hidden, weight, bias)
+    lead = tuple(hidden.shape[:-1])
+    _check_teacher_rows(ids, logprobs, lead, vocab or weight.shape[0])
+    _check_per_token("mask", mask, lead, lambda d: d == torch.bool, "a bool")
+    _check_per_token("teacher_logz", logz, lead, lambda d: d in FLOATS, "a floating")
+    _check_per_token(
+        "labels", labels, lead, lambda d: not d.is_floating_point and d != torch.bool, "an integer"
+    )
+    devices = {
+        t.device for t in (hidden, weight, bias, ids, logprobs, mask, logz, labels) if t is not None
+    }
+    _need(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_projection(hidden: Tensor, weight: Tensor, bias) -> None:
+    """The student side: hidden [N, H] or [B, T, H], lm_head weight [V, H] (and bias [V]) in hidden's dtype."""
     _type(hidden.dtype in FLOATS, f"hidden: expected a floating dtype {FLOATS}, got {hidden.dtype}")
     _need(
         hidden.dim() in (2, 3),
@@ -109,17 +125,21 @@ def check_shapes(
         f"weight: expected dtype {hidden.dtype} like hidden, got {weight.dtype}; "
         "cast one of them (nothing is upcast silently)",
     )
-    lead, rows = tuple(hidden.shape[:-1]), weight.shape[0]
-    vocab = vocab or rows
-    if bias is not None:
-        _type(
-            isinstance(bias, Tensor) and bias.dtype == hidden.dtype,
-            f"bias: expected a {hidden.dtype} tensor, got {getattr(bias, 'dtype', type(bias).__name__)}",
-        )
-        _need(
-            tuple(bias.shape) == (rows,),
-            f"bias: expected shape ({rows},) like weight's rows, got {tuple(bias.shape)}",
-        )
+    if bias is None:
+        return
+    rows = weight.shape[0]
+    _type(
+        isinstance(bias, Tensor) and bias.dtype == hidden.dtype,
+        f"bias: expected a {hidden.dtype} tensor, got {getattr(bias, 'dtype', type(bias).__name__)}",
+    )
+    _need(
+        tuple(bias.shape) == (rows,),
+        f"bias: expected shape ({rows},) like weight's rows, got {tuple(bias.shape)}",
+    )
+
+
+def _check_teacher_rows(ids: Tensor, logprobs: Tensor, lead: tuple, vocab: int) -> None:
+    """The teacher side: integer ids [..., K] with 1 <= K <= V, and constant float log-probs of the same shape."""
     _type(
         not ids.dtype.is_floating_point and ids.dtype != torch.bool and not ids.dtype.is_complex,
         f"teacher_ids: expected an integer dtype, got {ids.dtype}",
@@ -143,15 +163,6 @@ def check_shapes(
         "teacher_logprobs: the teacher is a constant; got a tensor that requires "
         "grad; pass teacher_logprobs.detach()",
     )
-    _check_per_token("mask", mask, lead, lambda d: d == torch.bool, "a bool")
-    _check_per_token("teacher_logz", logz, lead, lambda d: d in FLOATS, "a floating")
-    _check_per_token(
-        "labels", labels, lead, lambda d: not d.is_floating_point and d != torch.bool, "an integer"
-    )
-    devices = {
-        t.device for t in (hidden, weight, bias, ids, logprobs, mask, logz, labels) if t is not None
-    }
-    _need(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
 def _check_per_token(name: str, t, lead: tuple, dtype_ok, dtype_word: str) -> None:
