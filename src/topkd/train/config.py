@@ -200,6 +200,33 @@ def check_paths(cfg: TrainConfig, teacher_dir: str | None = None) -> None:
 
 
 def check_config(cfg: TrainConfig) -> None:
+    _check_modes(cfg)
+    if cfg.objective not in ("kd", "ce"):
+        raise ValueError(f"objective: expected kd | ce, got {cfg.objective!r}")
+    if cfg.packing not in PACKINGS:
+        raise ValueError(f"packing: expected one of {PACKINGS}, got {cfg.packing!r}")
+    require_device(cfg.device)
+    loss_options(cfg)  # the loss's own checks, before any model loads
+    for flag, path, kind in (
+        ("--cache", cfg.cache, "dir"),
+        ("--teacher", cfg.teacher, "any"),
+        ("--student", cfg.student, "dir"),
+    ):
+        if path:
+            require_path(flag, path, kind)
+    require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
+    counts = ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k", "top_k")
+    require_ints(cfg, (*counts, "max_sequences", "loader_workers"), 0)
+    check_lora_and_reporting(cfg)
+    if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
+        raise ValueError(
+            f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
+            f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}"
+        )
+
+
+def _check_modes(cfg: TrainConfig) -> None:
+    """Offline (--cache) or online (--teacher, --data), and a student from --student or the teacher's layers."""
     if bool(cfg.cache) == bool(cfg.teacher) or not cfg.out:
         raise ValueError(
             f"expected --out and exactly one of --cache (offline) or --teacher (online), got "
@@ -224,41 +251,6 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if cfg.init_from_teacher and cfg.layers < 1:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
-    if cfg.objective not in ("kd", "ce"):
-        raise ValueError(f"objective: expected kd | ce, got {cfg.objective!r}")
-    if cfg.packing not in PACKINGS:
-        raise ValueError(f"packing: expected one of {PACKINGS}, got {cfg.packing!r}")
-    require_device(cfg.device)
-    loss_options(cfg)  # the loss's own checks, before any model loads
-    for flag, path, kind in (
-        ("--cache", cfg.cache, "dir"),
-        ("--teacher", cfg.teacher, "any"),
-        ("--student", cfg.student, "dir"),
-    ):
-        if path:
-            require_path(flag, path, kind)
-    require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
-    require_ints(
-        cfg,
-        (
-            "seq_len",
-            "warmup_steps",
-            "checkpoint_every",
-            "layers",
-            "seed",
-            "online_k",
-            "top_k",
-            "max_sequences",
-            "loader_workers",
-        ),
-        0,
-    )
-    check_lora_and_reporting(cfg)
-    if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
-        raise ValueError(
-            f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
-            f"min_lr_ratio={cfg.min_lr_ratio}, clip={cfg.clip}, weight_decay={cfg.weight_decay}"
-        )
 
 
 def check_lora_and_reporting(cfg: TrainConfig) -> None:

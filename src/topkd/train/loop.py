@@ -163,17 +163,7 @@ def run_steps(
                 row = train_step(
                     module, stream, optimizer, scheduler, cfg, state, micro=next(steps)
                 )
-                if rank == 0:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    reporter.log(row)
-                # before update: a line printed by it shows this step
-                bar.set_postfix(
-                    loss=f"{row['loss']:.4f}",
-                    tok_s=f"{row['tokens_per_s']:.0f}",
-                    GiB=f"{row['peak_gib']:.2f}",
-                )
-                bar.update(1)
+                _record(row, metrics_path if rank == 0 else None, reporter, bar)
                 signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
                 if signum:
                     bar.close()
@@ -194,6 +184,19 @@ def run_steps(
         bar.close()
     del steps  # loader workers shut down now, not at interpreter exit
     return row
+
+
+def _record(row: dict, metrics_path: str | None, reporter, bar) -> None:
+    """A step's row into metrics.jsonl and the reporter (rank 0: metrics_path given), and onto the bar."""
+    if metrics_path is not None:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        reporter.log(row)
+    # before update: a line printed by it shows this step
+    bar.set_postfix(
+        loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", GiB=f"{row['peak_gib']:.2f}"
+    )
+    bar.update(1)
 
 
 def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
