@@ -104,17 +104,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     model, tokenizer = load_causal_lm(cfg.model, cfg.dtype, cfg.device, role="model")
     result = {"model": cfg.name or cfg.model}
     if cfg.text:
-        teacher = load_teacher_for(cfg, tokenizer) if cfg.teacher else None
-        result["text"] = evaluate_text(
-            model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens, teacher=teacher
-        )
-        if cfg.reliability:
-            reliability_plot(
-                {"ece": result["text"]["ece"], "bins": result["text"]["calibration"]},
-                cfg.reliability,
-                cfg.name or os.path.basename(os.path.normpath(cfg.model)),
-            )
-            wrote("eval", f"the reliability diagram to {cfg.reliability}")
+        result["text"] = _score_text(cfg, model, tokenizer)
     if cfg.cache:
         cache = TopKCache(cfg.cache)
         rows = model.get_output_embeddings().weight.shape[0]
@@ -125,14 +115,8 @@ def run_eval(cfg: EvalConfig) -> dict:
             model, cache, cfg.max_sequences, cfg.fold_beyond_vocab
         )
     for path in cfg.choices:
-        items, skipped = load_choice_file(path)
-        if cfg.limit and cfg.limit < len(items):
-            items = random.Random(0).sample(items, cfg.limit)
         name = os.path.splitext(os.path.basename(path))[0]
-        result[f"choices:{name}"] = {
-            **evaluate_choices(model, tokenizer, items),
-            "skipped_rows": skipped,
-        }
+        result[f"choices:{name}"] = _score_choices(cfg, model, tokenizer, path)
     if cfg.lm_eval:
         result["lm_eval"] = run_lm_eval(cfg)
     print(table([result]))
@@ -144,6 +128,27 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.out:
         wrote("eval", cfg.out)
     return result
+
+
+def _score_text(cfg: EvalConfig, model, tokenizer) -> dict:
+    """--text: bits/byte and calibration (with --teacher, the full-vocabulary KL too); --reliability: its plot."""
+    teacher = load_teacher_for(cfg, tokenizer) if cfg.teacher else None
+    scores = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens, teacher=teacher)
+    if cfg.reliability:
+        name = cfg.name or os.path.basename(os.path.normpath(cfg.model))
+        reliability_plot(
+            {"ece": scores["ece"], "bins": scores["calibration"]}, cfg.reliability, name
+        )
+        wrote("eval", f"the reliability diagram to {cfg.reliability}")
+    return scores
+
+
+def _score_choices(cfg: EvalConfig, model, tokenizer, path: str) -> dict:
+    """One multiple-choice file (--limit: a seeded sample of its items)."""
+    items, skipped = load_choice_file(path)
+    if cfg.limit and cfg.limit < len(items):
+        items = random.Random(0).sample(items, cfg.limit)
+    return {**evaluate_choices(model, tokenizer, items), "skipped_rows": skipped}
 
 
 def load_teacher_for(cfg: EvalConfig, tokenizer):

@@ -48,13 +48,7 @@ def evaluate_text(
     sums = {"nll": 0.0, "kl": 0.0, "tvd": 0.0}
     confidence, correct, counted = [], [], 0
     for seq in track(sequences, desc="eval text", unit="seq"):
-        ids = torch.from_numpy(seq.tokens)[None].to(weight.device)
-        pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(
-            weight.device
-        )
-        scored = _scored_rows(len(seq.tokens), seq.doc_starts)
-        if seq.row_mask is not None:  # chat: only rows whose next token is an assistant target
-            scored &= torch.from_numpy(seq.row_mask[:-1])
+        ids, pos, scored = _sequence_inputs(seq, weight.device)
         hidden = final_hidden(model, ids, pos)[0][:-1][scored]
         targets = ids[0, 1:][scored]
         stats = head_stats(hidden, weight, bias, targets=targets, softcap=softcap)
@@ -63,24 +57,14 @@ def evaluate_text(
         correct.append((stats["argmax"] == targets).cpu())
         if teacher is not None:
             pair = _against_teacher(teacher, ids, pos, scored, hidden, (weight, bias, softcap))
-            sums["kl"], sums["tvd"] = (
-                sums["kl"] + float(pair["kl"].sum()),
-                sums["tvd"] + float(pair["tvd"].sum()),
-            )
+            sums["kl"] += float(pair["kl"].sum())
+            sums["tvd"] += float(pair["tvd"].sum())
         counted += int(scored.sum())
     if counted == 0:
         raise ValueError(
             f"text: expected documents of at least 2 tokens, got nothing to score in {paths}"
         )
-    nll = sums["nll"]
-    result = {
-        "tokens": sum(len(whole(d)) for d in documents),
-        "scored_tokens": counted,
-        "bytes": text_bytes,
-        "nll_per_token": nll / counted,
-        "perplexity": math.exp(nll / counted),
-        "bits_per_byte": nll / math.log(2) / text_bytes,
-    }
+    result = _text_scores(sums["nll"], counted, text_bytes, sum(len(whole(d)) for d in documents))
     calib = calibration(torch.cat(confidence).numpy(), torch.cat(correct).numpy())
     result.update(ece=calib["ece"], calibration=calib["bins"])
     if teacher is not None:
@@ -90,6 +74,28 @@ def evaluate_text(
             acceptance=1 - sums["tvd"] / counted,
         )
     return result
+
+
+def _sequence_inputs(seq, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed sequence as model inputs (ids, positions restarting per document) and the rows scored: every row
+    whose next token is in the same document (chat: and is an assistant target)."""
+    ids = torch.from_numpy(seq.tokens)[None].to(device)
+    pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(device)
+    scored = _scored_rows(len(seq.tokens), seq.doc_starts)
+    if seq.row_mask is not None:
+        scored &= torch.from_numpy(seq.row_mask[:-1])
+    return ids, pos, scored
+
+
+def _text_scores(nll: float, counted: int, text_bytes: int, tokens: int) -> dict:
+    return {
+        "tokens": tokens,
+        "scored_tokens": counted,
+        "bytes": text_bytes,
+        "nll_per_token": nll / counted,
+        "perplexity": math.exp(nll / counted),
+        "bits_per_byte": nll / math.log(2) / text_bytes,
+    }
 
 
 def _against_teacher(teacher, ids, pos, scored, hidden, student_head) -> dict:

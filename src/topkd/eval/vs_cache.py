@@ -47,51 +47,64 @@ def evaluate_vs_cache(
     """fold_beyond_vocab: a head smaller than the cache's ids (trained with --fold-beyond-vocab) is scored with those
     ids folded into the tail, as it was trained (topkd/loss/fold.py): its probability on them is 0."""
     stream = SampleStream(cache, cache.seq_len, seed=0)
+    weight, bias = _student_head(model, cache.vocab_size)
+    n = min(stream.per_epoch, max_sequences) if max_sequences else stream.per_epoch
+    sums, counted = dict.fromkeys(METRICS, 0.0), 0
+    for i in track(range(n), desc="eval vs cache", unit="seq"):
+        sample = {k: v.to(weight.device) for k, v in stream.sample(i).items()}
+        mask = sample["kd_mask"]
+        if not mask.any():
+            continue
+        positions = sample["position_ids"][None]
+        hidden = final_hidden(model, sample["input_ids"][None], positions)[0][mask]
+        ids, logprobs = sample["teacher_ids"][mask], sample["teacher_logprobs"][mask]
+        w, b = weight, bias
+        if fold_beyond_vocab:
+            w, b, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
+        for name, value in _metric_sums(hidden, w, b, ids, logprobs).items():
+            sums[name] += value
+        counted += int(mask.sum())
+    if counted == 0:
+        raise ValueError(f"cache {cache.path}: expected counted tokens to score, got none")
+    return {"tokens": counted, **{name: total / counted for name, total in sums.items()}}
+
+
+METRICS = (
+    "kl_bucket",
+    "kl_renorm",
+    "top1_agreement",
+    "teacher_topk_mass",
+    "student_mass_on_topk",
+    "acceptance_upper_bound",
+)
+
+
+def _student_head(model, vocab: int):
+    """The student's lm_head over the teacher's vocabulary (padded rows beyond it are not part of its
+    distribution); a soft-capped head is refused (the KD loss has no soft-capping of the student)."""
     weight, bias, softcap = model_head(model)
-    # padded student rows are not part of its distribution over V
-    weight = weight[: cache.vocab_size]
-    bias = None if bias is None else bias[: cache.vocab_size]
     if softcap:
         raise ValueError(
             "eval against a cache: expected a model without final logit soft-capping (the KD loss "
             "has no soft-capping of the student), got final_logit_softcapping="
             f"{softcap}; evaluate it on text instead"
         )
-    n = min(stream.per_epoch, max_sequences) if max_sequences else stream.per_epoch
-    sums = {
-        "kl_bucket": 0.0,
-        "kl_renorm": 0.0,
-        "top1_agreement": 0.0,
-        "teacher_topk_mass": 0.0,
-        "student_mass_on_topk": 0.0,
-        "acceptance_upper_bound": 0.0,
+    return weight[:vocab], None if bias is None else bias[:vocab]
+
+
+def _metric_sums(hidden, weight, bias, ids, logprobs) -> dict[str, float]:
+    """Each of METRICS summed over one sequence's counted tokens."""
+    stats = head_stats(hidden, weight, bias, teacher_ids=ids)
+    student = stats["logprobs_at_teacher_ids"].double()
+    teacher = logprobs.double()
+    p_renorm, q_renorm = teacher.log_softmax(dim=-1), student.log_softmax(dim=-1)
+    return {
+        "kl_bucket": float(
+            fused_linear_kd(hidden, weight, ids, logprobs, bias=bias, reduction="sum")
+        ),
+        "kl_renorm": float((p_renorm.exp() * (p_renorm - q_renorm)).sum()),
+        "top1_agreement": float((stats["argmax"] == ids[:, 0].long()).sum()),
+        "teacher_topk_mass": float(teacher.logsumexp(dim=-1).exp().sum()),
+        "student_mass_on_topk": float(student.logsumexp(dim=-1).exp().sum()),
+        "acceptance_upper_bound": float(acceptance_bound(teacher, student).sum()),
     }
-    counted = 0
-    for i in track(range(n), desc="eval vs cache", unit="seq"):
-        sample = {k: v.to(weight.device) for k, v in stream.sample(i).items()}
-        mask = sample["kd_mask"]
-        if not mask.any():
-            continue
-        hidden = final_hidden(model, sample["input_ids"][None], sample["position_ids"][None])[0][
-            mask
-        ]
-        ids, logprobs = sample["teacher_ids"][mask], sample["teacher_logprobs"][mask]
-        w, b = weight, bias
-        if fold_beyond_vocab:
-            w, b, ids, logprobs = fold_beyond(weight, bias, ids, logprobs)
-        sums["kl_bucket"] += float(
-            fused_linear_kd(hidden, w, ids, logprobs, bias=b, reduction="sum")
-        )
-        stats = head_stats(hidden, w, b, teacher_ids=ids)
-        student = stats["logprobs_at_teacher_ids"].double()
-        teacher = logprobs.double()
-        p_renorm, q_renorm = teacher.log_softmax(dim=-1), student.log_softmax(dim=-1)
-        sums["kl_renorm"] += float((p_renorm.exp() * (p_renorm - q_renorm)).sum())
-        sums["top1_agreement"] += float((stats["argmax"] == ids[:, 0].long()).sum())
-        sums["teacher_topk_mass"] += float(teacher.logsumexp(dim=-1).exp().sum())
-        sums["student_mass_on_topk"] += float(student.logsumexp(dim=-1).exp().sum())
-        sums["acceptance_upper_bound"] += float(acceptance_bound(teacher, student).sum())
-        counted += int(mask.sum())
-    if counted == 0:
-        raise ValueError(f"cache {cache.path}: expected counted tokens to score, got none")
-    return {"tokens": counted, **{name: total / counted for name, total in sums.items()}}
