@@ -166,39 +166,7 @@ def _build_shards(
                 skipped(bar, tokens if j % world == rank else 0)
                 continue
             remove_stale_temps(cfg.out, j)
-            rows = [
-                teacher_sequence(s, _adapted(cfg, r))
-                for s, r in zip(
-                    group,
-                    teacher.sequence_rows(
-                        group,
-                        row_width(cfg),
-                        tuple(cfg.temperatures),
-                        cfg.batch_size,
-                        on_batch=bar.update,  # per batch
-                        sampler=_sampler(cfg, teacher, build_hash, j),
-                    ),
-                )
-            ]
-            first = group[0].index
-            identity = {
-                "build_hash": build_hash,
-                "shard": j,
-                "sequences": f"{first},{first + len(group)}",
-            }
-            arrays, meta = encode_shard(
-                rows,
-                vocab=teacher.vocab,
-                codec_name=cfg.codec,
-                identity=identity,
-                temperatures=tuple(cfg.temperatures),
-                variable_k=cfg.targets != "topk",
-                samples=cfg.samples if cfg.targets == "sampled" and not cfg.head else None,
-            )
-            nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
-            mf.write_sidecar(
-                cfg.out, j, nbytes, first, len(group), tokens, build_hash, **shard_facts(rows, meta)
-            )
+            nbytes = _write_one_shard(teacher, cfg, build_hash, j, group, tokens, bar.update)
             written += nbytes
             bar.set_postfix(
                 shards=n_shards,
@@ -209,6 +177,38 @@ def _build_shards(
     finally:  # an error or a signal mid-build: the bar's timer stops with it
         bar.close()
     return n_shards
+
+
+def _write_one_shard(
+    teacher, cfg: CacheBuildConfig, build_hash: str, j: int, group: list, tokens: int, on_batch
+):
+    """Shard j: the teacher's rows of its sequences, encoded, written atomically, then its sidecar (the proof it is
+    done). Returns its bytes."""
+    sampler = _sampler(cfg, teacher, build_hash, j)
+    engine_rows = teacher.sequence_rows(
+        group,
+        row_width(cfg),
+        tuple(cfg.temperatures),
+        cfg.batch_size,
+        on_batch=on_batch,
+        sampler=sampler,
+    )
+    rows = [teacher_sequence(s, _adapted(cfg, r)) for s, r in zip(group, engine_rows)]
+    first = group[0].index
+    identity = {"build_hash": build_hash, "shard": j, "sequences": f"{first},{first + len(group)}"}
+    arrays, meta = encode_shard(
+        rows,
+        vocab=teacher.vocab,
+        codec_name=cfg.codec,
+        identity=identity,
+        temperatures=tuple(cfg.temperatures),
+        variable_k=cfg.targets != "topk",
+        samples=cfg.samples if cfg.targets == "sampled" and not cfg.head else None,
+    )
+    nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
+    facts = shard_facts(rows, meta)
+    mf.write_sidecar(cfg.out, j, nbytes, first, len(group), tokens, build_hash, **facts)
+    return nbytes
 
 
 def _adapted(cfg: CacheBuildConfig, rows: EngineRows) -> EngineRows:
