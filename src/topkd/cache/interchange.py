@@ -224,32 +224,7 @@ def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
     """One Axolotl KD row -> the topkd sequence it holds (row j = target row j, every token), rank-ordered.
     Validated as the loss and the reader would: a bad row is refused here, never at training step N."""
     where = f"import: row {index}"
-    inputs = _numbers(row, "input_ids", where, 1)
-    ids, lp, mask = (_numbers(row, name, where, 2) for name in IMPORT_COLUMNS[1:])
-    if not lp.shape == mask.shape == ids.shape or len(inputs) != len(ids) or len(ids) < 1:
-        raise ValueError(
-            f"{where}: expected input_ids [L] and target_token_ids, target_logprobs, target_mask [L][K] "
-            f"of one length L >= 1, got {len(inputs)}, {ids.shape}, {lp.shape}, {mask.shape}; every "
-            "position needs its K targets (Axolotl pads with mask 0)"
-        )
-    for name, values in (("input_ids", inputs), ("target_token_ids", ids)):
-        if not (np.isfinite(values).all() and (values == np.round(values)).all()):
-            raise ValueError(
-                f"{where} {name}: expected integer token ids, got fractional or null values; the "
-                "dataset was not written as token ids (cast them, or re-export it)"
-            )
-    if inputs.min() < 0 or inputs.max() >= vocab:
-        raise ValueError(
-            f"{where} input_ids: expected ids in [0, {vocab}), got range [{int(inputs.min())}, "
-            f"{int(inputs.max())}]; pass the teacher's tokenizer, or --vocab-size its lm_head rows"
-        )
-    ids, mask = ids.astype(np.int64), mask != 0
-    counted = mask.all(1)
-    if (mask.any(1) & ~counted).any():
-        raise ValueError(
-            f"{where} position {int(np.flatnonzero(mask.any(1) & ~counted)[0])}: expected a "
-            "target_mask of all 1 or all 0 across the K entries, got a mix; topkd rows hold K entries"
-        )
+    inputs, ids, lp, counted = _imported_columns(row, where, vocab)
     try:  # exactly the loss's own value checks, on the rows that count
         check_values(
             torch.from_numpy(ids[counted]),
@@ -269,18 +244,49 @@ def imported_sequence(row: dict, index: int, vocab: int) -> TeacherSequence:
     tail = -np.expm1(np.minimum(log_mass, 0.0))  # 1 - mass: the exact tail is unknown
     with np.errstate(divide="ignore"):
         log_tail = np.where(tail > 0, np.log(np.maximum(tail, 1e-30)), -np.inf)
-    n = len(ids)
     return TeacherSequence(
         input_ids=inputs.astype(np.int64),
         ids=ids,
         logprobs=lp.astype(np.float32),
         log_mass=log_mass.astype(np.float32),
         log_tail=log_tail.astype(np.float32),
-        logz=np.zeros((n, 0), np.float32),
+        logz=np.zeros((len(ids), 0), np.float32),
         doc_starts=np.zeros(1, np.int64),
         source_index=index,
         row_mask=None if counted.all() else counted,
     )
+
+
+def _imported_columns(row: dict, where: str, vocab: int):
+    """A row's columns as arrays, their shapes and integer ids checked: (input ids, target ids, log-probs, which
+    positions count)."""
+    inputs = _numbers(row, "input_ids", where, 1)
+    ids, lp, mask = (_numbers(row, name, where, 2) for name in IMPORT_COLUMNS[1:])
+    if not lp.shape == mask.shape == ids.shape or len(inputs) != len(ids) or len(ids) < 1:
+        raise ValueError(
+            f"{where}: expected input_ids [L] and target_token_ids, target_logprobs, target_mask [L][K] "
+            f"of one length L >= 1, got {len(inputs)}, {ids.shape}, {lp.shape}, {mask.shape}; every "
+            "position needs its K targets (Axolotl pads with mask 0)"
+        )
+    for name, values in (("input_ids", inputs), ("target_token_ids", ids)):
+        if not (np.isfinite(values).all() and (values == np.round(values)).all()):
+            raise ValueError(
+                f"{where} {name}: expected integer token ids, got fractional or null values; the "
+                "dataset was not written as token ids (cast them, or re-export it)"
+            )
+    if inputs.min() < 0 or inputs.max() >= vocab:
+        raise ValueError(
+            f"{where} input_ids: expected ids in [0, {vocab}), got range [{int(inputs.min())}, "
+            f"{int(inputs.max())}]; pass the teacher's tokenizer, or --vocab-size its lm_head rows"
+        )
+    mask = mask != 0
+    counted = mask.all(1)
+    if (mask.any(1) & ~counted).any():
+        raise ValueError(
+            f"{where} position {int(np.flatnonzero(mask.any(1) & ~counted)[0])}: expected a "
+            "target_mask of all 1 or all 0 across the K entries, got a mix; topkd rows hold K entries"
+        )
+    return inputs, ids.astype(np.int64), lp, counted
 
 
 def check_alignment(seqs: list[TeacherSequence]) -> None:
