@@ -130,16 +130,7 @@ def run_chunks(
     No host syncs inside the loop: a GPU runs ahead of Python for the whole call."""
     rows, spec, chunk, row_index = plan.rows, plan.spec, plan.chunk, plan.row_index
     n, cdt = len(rows), compute_dtype(hidden.dtype)
-    grads = _Grads(
-        hidden=(torch.zeros_like(hidden) if row_index is not None else torch.empty_like(hidden))
-        if needs[0]
-        else None,
-        # dW is written by the first chunk's GEMM, not zero-filled first (n == 0 still needs zeros)
-        weight=(torch.empty if n else torch.zeros)(weight.shape, dtype=cdt, device=weight.device)
-        if needs[1]
-        else None,
-        bias=torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if needs[2] else None,
-    )
+    grads = _gradient_buffers(hidden, weight, needs, n, cdt, scattered=row_index is not None)
     kd_tok = torch.empty(n, dtype=cdt, device=hidden.device)
     ce_tok = torch.empty(n, dtype=cdt, device=hidden.device) if rows.labels is not None else None
     buf = chunk_buffer(min(chunk, n), weight.shape[0], cdt, hidden.device)
@@ -174,6 +165,21 @@ def run_chunks(
     if grads.hidden is not None:  # a VocabShard: each process's columns contribute to every dX row
         plan.vocab.all_reduce(grads.hidden, "sum")
     return kd_tok, ce_tok, grads
+
+
+def _gradient_buffers(
+    hidden: Tensor, weight: Tensor, needs, n: int, cdt, scattered: bool
+) -> _Grads:
+    """dX, dW, db for the inputs that need one. dX is zero-filled only when counted rows are scattered (the others
+    get no write); dW is written by the first chunk's GEMM, so zero-filled only when there is no chunk (n == 0)."""
+    dx = dw = db = None
+    if needs[0]:
+        dx = torch.zeros_like(hidden) if scattered else torch.empty_like(hidden)
+    if needs[1]:
+        dw = (torch.empty if n else torch.zeros)(weight.shape, dtype=cdt, device=weight.device)
+    if needs[2]:
+        db = torch.zeros(weight.shape[0], dtype=cdt, device=weight.device)
+    return _Grads(hidden=dx, weight=dw, bias=db)
 
 
 def soft_cap(z: Tensor, cap: float, tanh_out: Tensor) -> Tensor:
