@@ -55,16 +55,11 @@ def encode(
         rem, unary = codec.encode_rice_ragged(
             flat_gaps[ea:ee], codec.entry_bits(widths[a:e], table)
         )
-        head = b"" if samples else scales[a:e].astype("<f2").tobytes()
-        frames.append(
-            compressor.compress(
-                head
-                + widths[a:e].astype(width_dtype).tobytes()
-                + values[ea:ee].tobytes()
-                + rem.tobytes()
-                + unary.tobytes()
-            )
-        )
+        # one sequence's frame: [scales,] widths, values, Rice remainders, unary parts
+        parts = [widths[a:e].astype(width_dtype), values[ea:ee], rem, unary]
+        if not samples:
+            parts.insert(0, scales[a:e].astype("<f2"))
+        frames.append(compressor.compress(b"".join(p.tobytes() for p in parts)))
     meta = {
         "values": "counts" if samples else "logprobs",
         "rice_b_table": ",".join(map(str, table)),
