@@ -251,9 +251,8 @@ def as_hf_dataset(data: TopKDataset):
             yield {name: t.numpy() for name, t in data[index].items()}
 
     out = datasets.IterableDataset.from_generator(items).with_format("torch")
-    out.topkd_dataset = (
-        data  # what KDTrainer checks the student against, and takes the temperature from
-    )
+    # what KDTrainer checks the student against, and takes the temperature from
+    out.topkd_dataset = data
     return out
 
 

@@ -151,9 +151,8 @@ def test_rows_of_log_probs_round_trip_beside_the_padded_codec(tmp_path):
 
 
 GOLDEN_V5_SHA256 = "231eab95a84be87c180d6cddc80526e106400b54d0c4f5ab3da8caa9e92163da"
-GOLDEN_V5_FRAME = (
-    "030101020104cb066d03"  # widths | counts | low bits 1, 1, 178 (b=8), 1 | unary 1, 2, 2, 2
-)
+# widths | counts | low bits 1, 1, 178 (b=8), 1 | unary 1, 2, 2, 2
+GOLDEN_V5_FRAME = "030101020104cb066d03"
 
 
 def test_golden_version_5_shard(tmp_path):

@@ -121,9 +121,8 @@ def add_ratios(rows: list[dict], chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES) 
     ok = [r for r in rows if r["status"] == "ok"]
     for r in ok:
         r["mem_over_floor"] = r["peak_bytes"] / r["floor_bytes"]
-        r["chunk_budget_bytes"] = (
-            chunk_budget_bytes  # the fused driver's working set beside the floor
-        )
+        # the fused driver's working set beside the floor
+        r["chunk_budget_bytes"] = chunk_budget_bytes
         r["time_over_floor"] = r["time_s"] / r["floor_time_s"]
         r["gflops"] = r["flops"] / r["time_s"] / 1e9
     fused = {r["tokens"]: r for r in ok if r["impl"] == "fused"}

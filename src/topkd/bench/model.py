@@ -42,13 +42,11 @@ class DeviceProfile:
     # op kind -> seconds per element (CPU engines)
     element_s: dict[str, float] = field(default_factory=dict)
     cache_bytes: int = 0  # footprints below this never reach DRAM
-    launch_overlaps: bool = (
-        True  # GPU: launches run ahead, so an op costs max(launch, work); CPU: launch + work
-    )
+    # GPU: launches run ahead, so an op costs max(launch, work); CPU: launch + work
+    launch_overlaps: bool = True
     gemm_shapes: dict = field(default_factory=dict)  # (m, k, n, dtype) -> measured FLOP/s (CPU)
-    fault_s_per_byte: float = (
-        0.0  # first touch of freshly mapped memory (CPU; a GPU's caching allocator: 0)
-    )
+    # first touch of freshly mapped memory (CPU; a GPU's caching allocator: 0)
+    fault_s_per_byte: float = 0.0
     memory_bytes: float = float("inf")
     note: str = ""
 

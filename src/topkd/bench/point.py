@@ -33,9 +33,9 @@ from topkd.loss.fused import chunk_rows
 from topkd.memory import reserved_peak_bytes, status_kib
 
 KD_IMPLS = ("fused", "chunked", "dense")
-# Triton kernels (CUDA), and fused forced to its torch kernels where it
+# Triton kernels (CUDA), and fused forced to its torch kernels where it would pick Triton: never in a CPU
+# sweep's defaults
 GPU_IMPLS = ("triton", "fused:torch")
-# would pick Triton: never in a CPU sweep's defaults
 PEERS = ("liger_jsd", "torch_lce")
 
 

@@ -27,12 +27,10 @@ import warnings
 
 import numpy as np
 
-PAD_CODE = (
-    255  # format version 4: an entry that is padding (a row of variable K); its id is never read
-)
-COMPAND = (
-    3.0  # nats: the smallest per-token scale; code 254 then decodes to 16.6 nats below the top-1
-)
+# format version 4: an entry that is padding (a row of variable K); its id is never read
+PAD_CODE = 255
+# nats: the smallest per-token scale; code 254 then decodes to 16.6 nats below the top-1
+COMPAND = 3.0
 MAX_SCALE = 4096.0  # largest scale (float16-exact); rows deeper than 4096 ln 255 nats (e.g. -inf entries) clamp
 MAX_CODE = 254
 

@@ -27,9 +27,8 @@ class EngineRows:
     # [n] float32, log of the mass outside them (-inf: none, or sampled targets)
     log_tail: np.ndarray
     logz: np.ndarray  # [n, temperatures] float32, c_T = log sum_v exp(a_v / T)
-    log_mass_t: np.ndarray | None = (
-        None  # [n, temperatures] float32, the kept entries' exact mass at T
-    )
+    # [n, temperatures] float32, the kept entries' exact mass at T
+    log_mass_t: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])

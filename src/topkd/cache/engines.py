@@ -19,12 +19,10 @@ from topkd.cache.vllm_engine import VLLMTeacher
 @dataclass(frozen=True)
 class Engine:
     load: Callable[..., TeacherEngine]  # (source, *, dtype, device, k, tensor_parallel, seq_len)
-    distributed: (
-        bool  # one process per torchrun rank (False: one process; the engine runs its own workers)
-    )
-    full_vocabulary: (
-        bool  # sees every logit, so can store c_T and draw samples (False: its top-K only)
-    )
+    # one process per torchrun rank (False: one process; the engine runs its own workers)
+    distributed: bool
+    # sees every logit, so can store c_T and draw samples (False: its top-K only)
+    full_vocabulary: bool
 
 
 def _load_hf(

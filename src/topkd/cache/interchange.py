@@ -135,9 +135,8 @@ def _require_datasets():
     return datasets
 
 
-AXOLOTL_VERSION = (
-    "0.18.0"  # the release whose trainer, loss and collators the convention above is read from
-)
+# the release whose trainer, loss and collators the convention above is read from
+AXOLOTL_VERSION = "0.18.0"
 
 
 def axolotl_row(item: dict[str, torch.Tensor]) -> dict[str, list]:

@@ -259,6 +259,5 @@ class TopKCache:
         )
 
 
-dataset.PATH_OPENER = (
-    TopKCache  # TopKDataset("runs/cache") opens the path as a cache (topkd/data/dataset.py)
-)
+# TopKDataset("runs/cache") opens the path as a cache (topkd/data/dataset.py)
+dataset.PATH_OPENER = TopKCache

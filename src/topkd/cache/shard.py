@@ -20,19 +20,15 @@ from safetensors.numpy import save
 from topkd.cache import codec, shard_codecs
 from topkd.files import write_atomic
 
-FORMAT_VERSION = (
-    3  # 3: a per-row loss mask (row_mask, chat data); 2: per-token compander scale, exact tempered
-)
-UNMASKED_VERSION = (
-    2  # head mass, shard identity in meta_json. A shard without row_mask is written as version 2,
-)
-VARIABLE_K_VERSION = (
-    4  # byte for byte as before. 4: rows of variable K (sampled targets): version 3 plus padding
-)
-RAGGED_VERSION = (
-    5  # entries (log-prob code 255, decoded -inf). 5: rows of variable K stored ragged (rice-zstd:
-)
-# cache/ragged.py), sampled targets as draw counts; earlier versions still open
+# Format versions. 2: per-token compander scale, exact tempered head mass, shard identity in meta_json. 3: a per-row
+# loss mask (row_mask, chat data); a shard without row_mask is written as version 2, byte for byte as before.
+# 4: rows of variable K (sampled targets): version 3 plus padding entries (log-prob code 255, decoded -inf).
+# 5: rows of variable K stored ragged (rice-zstd: cache/ragged.py), sampled targets as draw counts.
+# Earlier versions still open.
+FORMAT_VERSION = 3
+UNMASKED_VERSION = 2
+VARIABLE_K_VERSION = 4
+RAGGED_VERSION = 5
 READABLE_VERSIONS = (2, 3, 4, 5)
 BASE_TENSORS = frozenset({"input_ids", "seq_rows", "seq_source", "seq_token_offset", "doc_starts"})
 # implied by draw counts (version 5)
@@ -54,12 +50,10 @@ class TeacherSequence:
     doc_starts: np.ndarray  # positions in [0, L) where a document begins
     source_index: int = 0  # index of the sequence in the source data
     token_offset: int = 0  # offset of its first token in the source token stream
-    log_mass_t: np.ndarray | None = (
-        None  # [L, n_temperatures] float32, log sum_k exp(a_k / T - c_T), exact
-    )
-    row_mask: np.ndarray | None = (
-        None  # [L] bool: row t counts for KD and CE (chat targets); None: every row
-    )
+    # [L, n_temperatures] float32, log sum_k exp(a_k / T - c_T), exact
+    log_mass_t: np.ndarray | None = None
+    # [L] bool: row t counts for KD and CE (chat targets); None: every row
+    row_mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -17,9 +17,8 @@ import numpy as np
 
 from topkd.cache import codec, ragged
 
-ZSTD_LEVEL = (
-    3  # zstd level of the rice-zstd frames: 3 is within 3% of level 19 on these bytes, and fast
-)
+# zstd level of the rice-zstd frames: 3 is within 3% of level 19 on these bytes, and fast
+ZSTD_LEVEL = 3
 
 
 class Packed:

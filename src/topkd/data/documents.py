@@ -36,9 +36,8 @@ class Sequence:
     doc_starts: np.ndarray  # positions in [0, L) where a document begins
     index: int  # sequence number in the source data
     token_offset: int  # offset of tokens[0] in the concatenated token stream
-    row_mask: np.ndarray | None = (
-        None  # [L] bool: row t counts (token t + 1 is a target); None: every row
-    )
+    # [L] bool: row t counts (token t + 1 is a target); None: every row
+    row_mask: np.ndarray | None = None
 
 
 def check_paths(paths: list[str]) -> None:

@@ -45,10 +45,9 @@ class TeacherRows:
     logprobs: Tensor  # [n, K] float, log p at T=1
     logz: Tensor | None  # [n] c_T, or None
     labels: Tensor | None  # [n] int64 with -100 ignored, or None when CE is off
-    padding: Tensor | None = (
-        None  # [n, K] bool: entries with log-prob -inf (variable K); their ids alias the
-    )
-    #                                row's first real id, so every pass over ids stays a plain gather/scatter
+    # [n, K] bool: entries with log-prob -inf (variable K); their ids alias the row's first real id, so every
+    # pass over ids stays a plain gather/scatter
+    padding: Tensor | None = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -241,9 +240,8 @@ class _LabelTerms:
     index: Tensor  # [C, 1] label ids, ignored ones (-100) clamped to 0
     logit: Tensor  # [C] z at the label
     untempered: Tensor | None = None  # T != 1: exp(z - max) over the row, a second [C, V] buffer
-    total: Tensor | None = (
-        None  # [C] the untempered softmax's denominator (at T == 1: the student's own)
-    )
+    # [C] the untempered softmax's denominator (at T == 1: the student's own)
+    total: Tensor | None = None
     lse: Tensor | None = None  # [C] its logsumexp
 
 

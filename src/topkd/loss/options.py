@@ -26,9 +26,8 @@ class LossOptions:
     reduction: str = "mean"
     impl: str = "fused"
     chunk_size: int | None = None
-    softcap: float | None = (
-        None  # student logits are c tanh(z / c) (Gemma-2 style final_logit_softcapping)
-    )
+    # student logits are c tanh(z / c) (Gemma-2 style final_logit_softcapping)
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         validate.check_names(self.divergence, self.tail, self.impl, self.reduction)

@@ -79,9 +79,8 @@ def train(cfg: TrainConfig) -> dict:
     )
     shard_student(module, bf16=cfg.autocast_bf16)
     if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = (
-            True  # any fp32 GEMM left (a fp32 run's body) on tensor cores
-        )
+        # any fp32 GEMM left (a fp32 run's body) on tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = True
     optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     os.makedirs(cfg.out, exist_ok=True)

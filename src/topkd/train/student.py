@@ -103,9 +103,8 @@ class KDStudent(nn.Module):
         self.model, self.teacher_vocab = model, teacher_vocab
         self.options = options  # batch_loss adds the model's own soft-cap
         self.objective, self.top_k = objective, top_k
-        self.head_dtype = (
-            head_dtype  # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
-        )
+        # bf16: the loss's GEMMs in bf16 (fp32 accumulation inside the loss)
+        self.head_dtype = head_dtype
         self.fold_beyond_vocab = fold_beyond_vocab
         if activation_checkpointing:
             model.gradient_checkpointing_enable(
