@@ -117,35 +117,14 @@ def describe(func, args: tuple, kwargs: dict, out) -> Op | None:
     dtype = str((outs or ins or [torch.empty(0)])[0].dtype).replace("torch.", "")
     base = name.rstrip("_")
     if base in GEMMS:
-        a, b = (args[i] for i in GEMMS[base])
-        if base in ("addmm", "baddbmm") and kwargs.get("beta", 1) == 0:
-            read -= _bytes(args[0])  # beta = 0: the accumulator is overwritten, never read
-        # the GEMM runs at its inputs' rate, whatever it writes
-        rate_dtype = str(a.dtype).replace("torch.", "")
-        return Op(
-            name,
-            "gemm",
-            2 * a.numel() * b.shape[-1],
-            read,
-            written,
-            elements,
-            rate_dtype,
-            (base, a.shape[-2], a.shape[-1], b.shape[-1], rate_dtype),
-        )
+        return _gemm_op(name, base, args, kwargs, read, written, elements)
     if base in PICKS:
         index_bytes = sum(_bytes(t) for t in ins[1:] if not t.is_floating_point())
         return Op(
             name, "index", 0, index_bytes + written, written, max(t.numel() for t in outs), dtype
         )
-    # index and values (or src) are [C, K]: only those elements of self are touched
     if base in PUTS:
-        moved = ins[1:]
-        size = max((t.numel() for t in moved), default=0)
-        touched = size * ins[0].element_size()
-        copy = 0 if name.endswith("_") else _bytes(ins[0])  # out of place: self is copied first
-        return Op(
-            name, "index", 0, sum(map(_bytes, moved)) + touched + copy, touched + copy, size, dtype
-        )
+        return _put_op(name, ins, dtype)
     if name in ("copy_", "fill_", "zero_", "_copy_from", "_to_copy", "clone", "copy"):
         src = read - (_bytes(args[0]) if name in ("copy_", "fill_", "zero_") else 0)
         return Op(name, "copy", 0, max(src, 0), written, elements, dtype)
@@ -154,6 +133,33 @@ def describe(func, args: tuple, kwargs: dict, out) -> Op | None:
     if base in REDUCTIONS:
         return Op(name, "reduction", 0, read, written, elements, dtype)
     return Op(name, "elementwise", 0, read, written, elements, dtype)
+
+
+def _gemm_op(
+    name: str, base: str, args: tuple, kwargs: dict, read: int, written: int, elements: int
+) -> Op:
+    """A GEMM: 2 M K N flops at its inputs' rate, whatever it writes; with beta = 0 the accumulator is overwritten,
+    never read."""
+    a, b = (args[i] for i in GEMMS[base])
+    if base in ("addmm", "baddbmm") and kwargs.get("beta", 1) == 0:
+        read -= _bytes(args[0])
+    rate_dtype = str(a.dtype).replace("torch.", "")
+    shape_key = (base, a.shape[-2], a.shape[-1], b.shape[-1], rate_dtype)
+    return Op(
+        name, "gemm", 2 * a.numel() * b.shape[-1], read, written, elements, rate_dtype, shape_key
+    )
+
+
+def _put_op(name: str, ins: list, dtype: str) -> Op:
+    """A scatter / index_put: index and values (or src) are [C, K], so only those elements of self are touched;
+    out of place, self is copied first."""
+    moved = ins[1:]
+    size = max((t.numel() for t in moved), default=0)
+    touched = size * ins[0].element_size()
+    copy = 0 if name.endswith("_") else _bytes(ins[0])
+    return Op(
+        name, "index", 0, sum(map(_bytes, moved)) + touched + copy, touched + copy, size, dtype
+    )
 
 
 def _call(func, args: tuple, kwargs: dict):
