@@ -193,6 +193,18 @@ def skipped_after_oom(rows: list[dict], impl: str, tokens: int) -> dict | None:
     return None
 
 
+def measured(measure: Callable[[], dict]) -> dict:
+    """measure()'s row with status "ok", or, when it runs out of memory, the "oom" row (anything else propagates).
+    torch.OutOfMemoryError is a RuntimeError."""
+    try:
+        return {**measure(), "status": "ok"}
+    except (MemoryError, RuntimeError) as e:
+        oom = out_of_memory(e)
+        if oom is None:
+            raise
+        return oom
+
+
 def out_of_memory(e: BaseException) -> dict | None:
     """An exception as a result row if it is an allocation failure (CUDA, Python, or a CPU allocator hitting the
     address-space cap); None for anything else, which the caller re-raises."""

@@ -27,7 +27,7 @@ import time
 import torch
 
 import topkd
-from topkd.bench.common import out_of_memory
+from topkd.bench.common import measured
 from topkd.loss.chunk import LossSpec
 from topkd.loss.fused import chunk_rows
 from topkd.memory import reserved_peak_bytes, status_kib
@@ -267,16 +267,14 @@ def main(argv=None) -> None:
 def one_point(a, n: int) -> dict:
     """measure() as a result row: a missing peer is "unavailable", an allocation failure "oom"."""
     try:
-        row = measure(a.impl, n, a.vocab, a.hidden, a.k, a.dtype, a.device, a.repeats, a.phase)
-        row["status"] = "ok"
+        row = measured(
+            lambda: measure(
+                a.impl, n, a.vocab, a.hidden, a.k, a.dtype, a.device, a.repeats, a.phase
+            )
+        )
     except ImportError as e:  # a peer that is not installed
-        row = {"impl": a.impl, "tokens": n, "status": "unavailable", "error": str(e)[:200]}
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        oom = out_of_memory(e)
-        if oom is None:
-            raise
-        row = {"impl": a.impl, "tokens": n, **oom}
-    return row
+        return {"impl": a.impl, "tokens": n, "status": "unavailable", "error": str(e)[:200]}
+    return {"impl": a.impl, "tokens": n, **row}
 
 
 if __name__ == "__main__":

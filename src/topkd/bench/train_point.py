@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 import topkd
-from topkd.bench.common import out_of_memory
+from topkd.bench.common import measured, out_of_memory
 from topkd.bench.point import PeakMemory, teacher_rows
 from topkd.data.samples import SampleStream
 from topkd.loss import LossOptions
@@ -348,19 +348,12 @@ def main(argv=None) -> None:
         "layers": a.layers,
         "batch": a.batch,
     }
-    try:
-        if a.phase == "memory":
-            row.update(measure_memory(a.shape, impls[0], a.tokens, a.layers))
-        elif a.phase == "time":
-            row.update(measure_time(a.shape, impls, a.tokens, a.layers, a.repeats))
-        else:
-            row.update(measure_loading(a.shape, a.tokens, a.batch, a.layers, a.repeats))
-        row["status"] = "ok"
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        oom = out_of_memory(e)
-        if oom is None:
-            raise
-        row.update(oom)
+    phases = {
+        "memory": lambda: measure_memory(a.shape, impls[0], a.tokens, a.layers),
+        "time": lambda: measure_time(a.shape, impls, a.tokens, a.layers, a.repeats),
+        "loading": lambda: measure_loading(a.shape, a.tokens, a.batch, a.layers, a.repeats),
+    }
+    row.update(measured(phases[a.phase]))
     print(json.dumps(row), flush=True)
 
 
