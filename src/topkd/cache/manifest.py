@@ -300,21 +300,7 @@ def check_manifest(m, path: str) -> None:
             "recomputed from them differs from the one the shards were written with); restore the "
             "manifest, or rebuild the cache"
         )
-    end = 0
-    for j, side in enumerate(shards):
-        check_sidecar(side, j, where=f"{path}: shards[{j}]")
-        need(
-            side["sequences"][0] == end,
-            f"{path}: shards[{j}] starts at sequence {side['sequences'][0]}, "
-            f"expected {end} (shards must be consecutive)",
-        )
-        end = side["sequences"][1]
-    hashes = {s["build_hash"] for s in shards} | {m["build_hash"]}
-    if len(hashes) != 1:
-        raise CacheError(
-            f"{path}: shards come from {len(hashes)} different builds (mixed fingerprints); "
-            "rebuild the cache into an empty directory"
-        )
+    end = _check_shard_list(shards, m["build_hash"], path)
     _check_file_sums(m.get("tokenizer_files", {}), f"{path}: tokenizer_files")
     want = {
         "shards": len(shards),
@@ -327,6 +313,26 @@ def check_manifest(m, path: str) -> None:
         not wrong,
         f"{path}: totals {wrong} do not match the shards ({ {k: want[k] for k in wrong} })",
     )
+
+
+def _check_shard_list(shards: list, manifest_hash: str, path: str) -> int:
+    """Each sidecar whole, the shards consecutive from sequence 0 and all of this build; returns the sequences."""
+    end = 0
+    for j, side in enumerate(shards):
+        check_sidecar(side, j, where=f"{path}: shards[{j}]")
+        need(
+            side["sequences"][0] == end,
+            f"{path}: shards[{j}] starts at sequence {side['sequences'][0]}, "
+            f"expected {end} (shards must be consecutive)",
+        )
+        end = side["sequences"][1]
+    hashes = {s["build_hash"] for s in shards} | {manifest_hash}
+    if len(hashes) != 1:
+        raise CacheError(
+            f"{path}: shards come from {len(hashes)} different builds (mixed fingerprints); "
+            "rebuild the cache into an empty directory"
+        )
+    return end
 
 
 def file_sums(directory: str) -> dict:
