@@ -163,19 +163,7 @@ def export_axolotl(cache_dir: str, out: str) -> str:
     """Write the cache as an Axolotl KD dataset in out (see the module docstring); returns the Parquet path. The
     cache is verified first; a failure part way removes what this export wrote, so a rerun starts clean."""
     datasets = _require_datasets()
-    cache = TopKCache(cache_dir)
-    if cache.targets != "topk":
-        raise ValueError(
-            f"cache {cache_dir}: expected top-K targets for the Axolotl format, got {cache.targets} "
-            "targets (rows of variable K, which its collator cannot pair); export a top-K cache"
-        )
-    problems = cache.verify()
-    if problems:
-        raise mf.CacheError(
-            f"cache {cache_dir}: {problems[0]}"
-            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-            + "; rerun its build command to repair it, then export"
-        )
+    cache = _exportable(cache_dir)
     # one row per document piece: no attention across documents
     data = TopKDataset(cache, packing="none")
     path = os.path.join(out, DATA_FILE)
@@ -214,6 +202,23 @@ def export_axolotl(cache_dir: str, out: str) -> str:
         flush=True,
     )
     return path
+
+
+def _exportable(cache_dir: str) -> TopKCache:
+    """The cache, if the Axolotl format can hold its rows (top-K targets) and every shard verifies."""
+    cache = TopKCache(cache_dir)
+    if cache.targets != "topk":
+        raise ValueError(
+            f"cache {cache_dir}: expected top-K targets for the Axolotl format, got {cache.targets} "
+            "targets (rows of variable K, which its collator cannot pair); export a top-K cache"
+        )
+    problems = cache.verify()
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise mf.CacheError(
+            f"cache {cache_dir}: {problems[0]}{more}; rerun its build command to repair it, then export"
+        )
+    return cache
 
 
 IMPORT_COLUMNS = ("input_ids", "target_token_ids", "target_logprobs", "target_mask")
