@@ -14,7 +14,7 @@ from topkd.cache import TopKCache
 from topkd.data import TopKDataset
 from topkd.loss import LossOptions
 from topkd.train import train
-from topkd.train.loop import lr_factor, param_groups
+from topkd.train.optim import lr_factor, param_groups
 from topkd.train.student import cut_layers
 
 transformers = pytest.importorskip("transformers")
@@ -32,18 +32,14 @@ def _hf_run(cache_dir, out, cfg, batch, accum, steps, **loss):
     model = _student(cache_dir)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-    args = transformers.TrainingArguments(
+    args = _cpu_args(
         output_dir=str(out),
         max_steps=steps,
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accum,
         logging_steps=1,
         max_grad_norm=cfg.clip,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
         seed=0,
-        disable_tqdm=True,
     )
     data = TopKDataset(
         TopKCache(cache_dir),
@@ -61,6 +57,13 @@ def _hf_run(cache_dir, out, cfg, batch, accum, steps, **loss):
     trainer.train()
     logs = [row for row in trainer.state.log_history if "loss" in row]
     return logs, model
+
+
+def _cpu_args(**kw) -> "transformers.TrainingArguments":
+    """TrainingArguments for a test run: CPU, no reporting, no checkpoints, no progress bar."""
+    return transformers.TrainingArguments(
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, **kw
+    )
 
 
 def test_twenty_steps_match_topkd_train(built_cache, tmp_path):
@@ -100,15 +103,7 @@ def test_the_model_computes_logits_for_one_position_only(built_cache, tmp_path):
     seen = []
     model = _student(built_cache)
     model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _cpu_args(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2)
     KDTrainer(
         model=model,
         args=args,
@@ -212,16 +207,12 @@ def test_a_peft_student_trains_only_its_adapters(built_cache, tmp_path):
         peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = transformers.TrainingArguments(
+    args = _cpu_args(
         output_dir=str(tmp_path),
         max_steps=8,
         per_device_train_batch_size=2,
         learning_rate=1e-2,
         logging_steps=1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
     )
     trainer = KDTrainer(
         model=model, args=args, train_dataset=TopKDataset(TopKCache(built_cache), seq_len=24)
@@ -289,14 +280,7 @@ def test_a_student_with_another_tokenizer_of_the_same_vocabulary_size_is_refused
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(json.dumps(swapped)), eos_token="<eos>"
     )
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"),
-        max_steps=1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _cpu_args(output_dir=str(tmp_path / "hf"), max_steps=1)
     data = TopKDataset(TopKCache(built_cache), seq_len=24)
     with pytest.raises(ValueError, match="student tokenizer: expected the teacher's token ids"):
         KDTrainer(model=_student(built_cache), args=args, train_dataset=data, processing_class=tok)
@@ -314,15 +298,7 @@ def test_a_student_with_another_tokenizer_of_the_same_vocabulary_size_is_refused
 def test_a_dataset_of_lists_is_refused_with_the_way_to_a_topkdataset(built_cache, tmp_path):
     data = TopKDataset(TopKCache(built_cache), seq_len=24)
     rows = [{k: v.tolist() for k, v in data[i].items()} for i in range(4)]
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _cpu_args(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2)
     with pytest.raises(
         ValueError, match="expected torch tensors, got input_ids: list.*topkd.data.TopKDataset"
     ):
@@ -331,14 +307,7 @@ def test_a_dataset_of_lists_is_refused_with_the_way_to_a_topkdataset(built_cache
 
 def test_the_temperature_is_stated_once_on_the_dataset(built_cache, tmp_path):
     """Given to TopKDataset and KDTrainer both, a mismatch failed only at the first step."""
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _cpu_args(output_dir=str(tmp_path), max_steps=1)
     tempered = TopKDataset(built_cache, seq_len=24, temperature=2.0)  # a path is a cache
     trainer = KDTrainer(model=_student(built_cache), args=args, train_dataset=tempered)
     assert trainer.kd_options.temperature == 2.0
@@ -377,14 +346,7 @@ def test_the_temperature_is_stated_once_on_the_dataset(built_cache, tmp_path):
 
 def test_loss_keywords_of_old_are_refused_with_the_loss_options_to_pass(built_cache, tmp_path):
     """KDTrainer(divergence=..., ce_weight=...) went to transformers.Trainer and failed there, naming neither."""
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _cpu_args(output_dir=str(tmp_path), max_steps=1)
     with pytest.raises(
         TypeError,
         match=r"got divergence='jsd', ce_weight=0.1 as keywords; pass "
@@ -401,14 +363,7 @@ def test_a_wrapped_dataset_is_checked_and_carries_its_temperature(built_cache, t
     pytest.importorskip("datasets")
     from topkd.hf import as_hf_dataset
 
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _cpu_args(output_dir=str(tmp_path), max_steps=1)
     wrapped = as_hf_dataset(TopKDataset(built_cache, seq_len=24, temperature=2.0))
     assert (
         KDTrainer(
@@ -440,14 +395,7 @@ def test_a_sampled_cache_refuses_what_its_targets_cannot_train_with(
             max_sequences=4,
         )
     )
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"),
-        max_steps=1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _cpu_args(output_dir=str(tmp_path / "hf"), max_steps=1)
     data = TopKDataset(str(tmp_path / "c"), seq_len=24)
     for bad in (
         {"loss": LossOptions(divergence="reverse_kl")},

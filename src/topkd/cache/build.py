@@ -73,8 +73,13 @@ def build(cfg: CacheBuildConfig) -> dict:
                 "dropped, finished shards are kept; rerun the same command to resume",
             ) from None
         dist.barrier()
+        if cfg.parts > 1:
+            print(
+                f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 "
+                "to write the manifest",
+                flush=True,
+            )
         if cfg.parts > 1 or rank != 0:
-            _say_part_done(cfg)
             return {}
         return _write_manifest(cfg, teacher, fingerprint, build_info, build_hash, n_shards)
 
@@ -93,15 +98,6 @@ def _start_engine(cfg: CacheBuildConfig) -> tuple[int, int, TeacherEngine]:
         seq_len=cfg.seq_len,
     )
     return rank, world, teacher
-
-
-def _say_part_done(cfg: CacheBuildConfig) -> None:
-    if cfg.parts > 1:
-        print(
-            f"part {cfg.part} of {cfg.parts} done; when every part is, rerun this command with --parts 1 to "
-            "write the manifest",
-            flush=True,
-        )
 
 
 def _write_manifest(

@@ -26,21 +26,19 @@ from dataclasses import asdict
 import torch
 
 from topkd import dist
-from topkd.cache import TopKCache
-from topkd.cache.teacher import load_teacher
-from topkd.data.samples import SampleStream, SequenceSource, count_tokens, logz_column
+from topkd.data.samples import SampleStream, count_tokens, logz_column
 from topkd.files import exclusive_lock
 from topkd.loss import loss_parts
 from topkd.memory import process_peak_bytes, reserved_peak_bytes
 from topkd.progress import progress
-from topkd.rows import sampled_targets_problem
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, loss_options
 from topkd.train.lora import save_lora_student
-from topkd.train.online import OnlineTeacher
+from topkd.train.optim import lr_factor, make_optimizer
 from topkd.train.parallel import full_state_dict, scalar, shard_student
-from topkd.train.report import open_reporter
+from topkd.train.report import open_reporter, plot_losses
+from topkd.train.sources import check_source, open_source
 from topkd.train.student import KDStudent, load_student
 
 
@@ -53,14 +51,7 @@ def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     source = open_source(cfg, device)
     check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
-    check_top_k(cfg.top_k, source)
-    check_targets(cfg, source)
-    if source.counted_tokens == 0:
-        raise ValueError(
-            f"cache {cfg.cache}: expected rows that count for the loss, got 0 of its {source.tokens} "
-            "tokens (chat data without assistant turns); rebuild it with --train-on all, or from "
-            "conversations whose replies have role 'assistant'"
-        )
+    check_source(cfg, source)
     seq_len = cfg.seq_len or source.seq_len
     student = load_student(cfg, source)
     options = loss_options(cfg)
@@ -81,8 +72,7 @@ def train(cfg: TrainConfig) -> dict:
     if device.startswith("cuda"):
         # any fp32 GEMM left (a fp32 run's body) on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = True
-    optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    optimizer, scheduler = make_optimizer(module, cfg)
     os.makedirs(cfg.out, exist_ok=True)
     with exclusive_lock(
         os.path.join(cfg.out, f".train-{rank}.lock"),
@@ -198,18 +188,6 @@ def _record(row: dict, metrics_path: str | None, reporter, bar) -> None:
     bar.update(1)
 
 
-def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
-    """Sampled targets (count / N of N draws, no tail) make sense only for a forward divergence at T = 1."""
-    if source.targets != "sampled":
-        return
-    problem = sampled_targets_problem(cfg.divergence, cfg.temperature, cfg.top_k)
-    if problem:
-        raise ValueError(
-            f"cache {cfg.cache}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
-            "--top-k, or train on a top-K cache"
-        )
-
-
 def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> None:
     """Say so when the run repeats the data or never leaves warmup: both are legal, neither is usually meant."""
     samples = cfg.steps * cfg.batch_size * cfg.grad_accum * world
@@ -239,38 +217,6 @@ def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> N
             f"{cached} or less, or rebuild the cache with a longer --seq-len",
             file=sys.stderr,
             flush=True,
-        )
-
-
-def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
-    """Where teacher rows come from: the cache (offline) or the teacher run in memory (online)."""
-    if cfg.cache:
-        return TopKCache(cfg.cache)
-    temperatures = [cfg.temperature] if loss_options(cfg).needs_logz else []
-    return OnlineTeacher(
-        load_teacher(cfg.teacher, device=device),
-        cfg.data,
-        cfg.seq_len,
-        cfg.online_k,
-        temperatures,
-        cfg.text_field,
-        cfg.max_sequences,
-        cfg.messages_field,
-        cfg.train_on,
-    )
-
-
-def check_top_k(top_k: int, source: SequenceSource) -> None:
-    """--top-k takes the first N columns, which are the teacher's N most likely tokens only in rank-ordered rows."""
-    if top_k and not source.k:
-        raise ValueError(
-            f"top_k={top_k}: expected rank-ordered teacher rows (a cache, or --online-k), got "
-            "full-vocabulary online rows; use --online-k instead"
-        )
-    if top_k > source.k:
-        raise ValueError(
-            f"top_k: expected at most the teacher rows' K={source.k}, got {top_k}; build the cache "
-            "with a larger --k"
         )
 
 
@@ -451,22 +397,6 @@ def _autocast(enabled: bool, device: torch.device):
     )
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to 1, then cosine to min_lr_ratio at the last step."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only; norms, biases and other vectors are not decayed."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
 def run_title(cfg: TrainConfig) -> str:
     """What a loss curve is of: the run and its objective."""
     run = os.path.basename(os.path.normpath(cfg.out))
@@ -474,36 +404,3 @@ def run_title(cfg: TrainConfig) -> str:
         return f"{run}: cross entropy only (no teacher)"
     extras = f", ce_weight {cfg.ce_weight:g}" if cfg.ce_weight else ""
     return f"{run}: KD {cfg.divergence}, tail {cfg.tail}, T={cfg.temperature:g}{extras}"
-
-
-def plot_losses(metrics_path: str, out: str, title: str = "") -> None:
-    """loss.png: the loss per step (KD and CE parts when both train), titled with the run and its objective, a
-    log axis with labelled ticks (a KD curve and a CE curve must not look alike)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import LogLocator, ScalarFormatter
-
-    rows = [json.loads(line) for line in open(metrics_path)]
-    rows = [r for r in rows if math.isfinite(r["loss"])]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["loss"] for r in rows], label="loss")
-    for part in ("kd_loss", "ce_loss"):
-        if rows and all(part in r for r in rows) and any(r[part] != r["loss"] for r in rows):
-            ax.plot(steps, [r[part] for r in rows], label=part.replace("_", " "), alpha=0.7)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss per counted token")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(ScalarFormatter())
-    # labels on the minor ticks too, when a decade is all there is
-    ax.yaxis.set_minor_formatter(ScalarFormatter())
-    if ax.get_legend_handles_labels()[0][1:]:
-        ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)

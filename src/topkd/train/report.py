@@ -7,10 +7,13 @@ Every numeric field of each metrics row (loss, kd_loss, ce_loss, lr, grad_norm, 
 one scalar at x = step, written by rank 0. A resumed run continues the same record: TensorBoard drops the
 events past the checkpoint it resumes from (they are recomputed), and wandb continues the run whose id is
 kept in OUT/wandb_id. Nothing leaves the machine by default: `wandb sync OUT/wandb/offline-run-*` uploads.
+Beside them, loss.png: the loss curve of metrics.jsonl (plot_losses), titled with the run and its objective.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import secrets
 from typing import Protocol
@@ -103,3 +106,36 @@ def _scalars(row: dict) -> dict[str, float]:
         for k, v in row.items()
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
     }
+
+
+def plot_losses(metrics_path: str, out: str, title: str = "") -> None:
+    """loss.png: the loss per step (KD and CE parts when both train), titled with the run and its objective, a
+    log axis with labelled ticks (a KD curve and a CE curve must not look alike)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = [r for r in rows if math.isfinite(r["loss"])]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["loss"] for r in rows], label="loss")
+    for part in ("kd_loss", "ce_loss"):
+        if rows and all(part in r for r in rows) and any(r[part] != r["loss"] for r in rows):
+            ax.plot(steps, [r[part] for r in rows], label=part.replace("_", " "), alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss per counted token")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    # labels on the minor ticks too, when a decade is all there is
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+    if ax.get_legend_handles_labels()[0][1:]:
+        ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,73 @@
+"""Where `topkd train`'s teacher rows come from, and what the run may ask of them.
+
+    source = open_source(cfg, device)      # the cache (offline) or the teacher run in memory (online)
+    check_source(cfg, source)              # --top-k, sampled targets and counted rows, before a student loads
+
+Both kinds are a topkd.data.samples.SequenceSource.
+"""
+
+from __future__ import annotations
+
+from topkd.cache import TopKCache
+from topkd.cache.teacher import load_teacher
+from topkd.data.samples import SequenceSource
+from topkd.rows import sampled_targets_problem
+from topkd.train.config import TrainConfig, loss_options
+from topkd.train.online import OnlineTeacher
+
+
+def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
+    """Where teacher rows come from: the cache (offline) or the teacher run in memory (online)."""
+    if cfg.cache:
+        return TopKCache(cfg.cache)
+    temperatures = [cfg.temperature] if loss_options(cfg).needs_logz else []
+    return OnlineTeacher(
+        load_teacher(cfg.teacher, device=device),
+        cfg.data,
+        cfg.seq_len,
+        cfg.online_k,
+        temperatures,
+        cfg.text_field,
+        cfg.max_sequences,
+        cfg.messages_field,
+        cfg.train_on,
+    )
+
+
+def check_top_k(top_k: int, source: SequenceSource) -> None:
+    """--top-k takes the first N columns, which are the teacher's N most likely tokens only in rank-ordered rows."""
+    if top_k and not source.k:
+        raise ValueError(
+            f"top_k={top_k}: expected rank-ordered teacher rows (a cache, or --online-k), got "
+            "full-vocabulary online rows; use --online-k instead"
+        )
+    if top_k > source.k:
+        raise ValueError(
+            f"top_k: expected at most the teacher rows' K={source.k}, got {top_k}; build the cache "
+            "with a larger --k"
+        )
+
+
+def check_source(cfg: TrainConfig, source: SequenceSource) -> None:
+    """What the run's flags ask of these rows: --top-k within their K, a loss sampled targets can train, and some
+    rows that count for the loss."""
+    check_top_k(cfg.top_k, source)
+    check_targets(cfg, source)
+    if source.counted_tokens == 0:
+        raise ValueError(
+            f"cache {cfg.cache}: expected rows that count for the loss, got 0 of its {source.tokens} "
+            "tokens (chat data without assistant turns); rebuild it with --train-on all, or from "
+            "conversations whose replies have role 'assistant'"
+        )
+
+
+def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
+    """Sampled targets (count / N of N draws, no tail) make sense only for a forward divergence at T = 1."""
+    if source.targets != "sampled":
+        return
+    problem = sampled_targets_problem(cfg.divergence, cfg.temperature, cfg.top_k)
+    if problem:
+        raise ValueError(
+            f"cache {cfg.cache}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
+            "--top-k, or train on a top-K cache"
+        )
