@@ -2,7 +2,7 @@
 
     topkd cache build --teacher MODEL --data corpus.txt --out runs/cache --seq-len 2048 --k 100
     topkd cache verify runs/cache          # every checksum
-    topkd cache inspect runs/cache         # fingerprint, totals, bytes/token, top-K mass histogram
+    topkd cache inspect runs/cache         # fingerprint, totals, bytes/token, kept mass and ids per token
     topkd train --cache runs/cache --init-from-teacher --layers 6 --out runs/student --steps 500
     topkd eval --model runs/student/final --text held_out.txt --cache runs/heldout-cache --choices mmlu.jsonl
     topkd demo [--quick]                   # the whole pipeline on SmolLM2 + Shakespeare, one output directory

@@ -148,36 +148,40 @@ def test_verify_and_inspect_commands(built_cache, tmp_path, capsys):
         and (tmp_path / "m.png").stat().st_size > 5000
     )
     assert (
-        f"topkd cache inspect: wrote the retained-mass histogram to {tmp_path / 'm.png'}"
+        f"topkd cache inspect: wrote the histograms (kept mass, ids per token) to {tmp_path / 'm.png'}"
         in captured.err
     )
 
 
-def test_the_mass_histogram_counts_the_rows_that_train(built_cache, monkeypatch):
+def test_the_histograms_count_the_rows_that_train(built_cache, monkeypatch):
     """A chat cache's masked rows (its repeated system prompt) showed as spikes of rows no loss reads."""
+    import dataclasses
+
     import numpy as np
 
-    from topkd.cache.inspect import retained_mass
+    from topkd.cache.inspect import row_stats
     from topkd.cache.shard import ShardReader
 
     cache = TopKCache(built_cache)
-    everything = retained_mass(cache)
-    real = ShardReader.tensor
+    everything = row_stats(cache)
+    real = ShardReader.sequence
 
-    def masked(self, name):  # every other row of every shard masked, as if prompts
-        if name == "row_mask":
-            return (np.arange(self.shape("log_mass")[0]) % 2).astype(np.uint8)
-        return real(self, name)
+    def masked(self, j):  # every other row of every sequence masked, as if prompts
+        seq = real(self, j)
+        return dataclasses.replace(seq, row_mask=np.arange(len(seq)) % 2 == 1)
 
-    expected = []
-    for j in range(len(cache.manifest["shards"])):
-        shard = cache.shard(j)
-        shard.names = shard.names | {"row_mask"}
-        expected.append(np.exp(real(shard, "log_mass").astype(np.float64))[1::2])
-    monkeypatch.setattr(ShardReader, "tensor", masked)
-    assert np.array_equal(retained_mass(cache), np.concatenate(expected)) and len(everything) > len(
-        expected[0]
+    expected = np.concatenate(
+        [
+            np.exp(cache.shard(j).tensor("log_mass").astype(np.float64))
+            for j in range(len(cache.manifest["shards"]))
+        ]
     )
+    monkeypatch.setattr(ShardReader, "sequence", masked)
+    kept = row_stats(cache)
+    assert np.allclose(everything.mass, expected) and (everything.width == cache.k).all()
+    starts = np.cumsum([0] + cache.sequence_lengths()[:-1])
+    odd = np.concatenate([s + np.arange(1, n, 2) for s, n in zip(starts, cache.sequence_lengths())])
+    assert np.array_equal(kept.mass, everything.mass[odd]) and len(kept.width) == len(odd)
 
 
 def test_cli_prints_a_refusal_without_a_traceback(tmp_path, capsys):

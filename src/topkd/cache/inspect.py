@@ -1,7 +1,9 @@
-"""`topkd cache verify` and `topkd cache inspect`: is the cache whole, and what is in it.
+"""`topkd cache verify` and `topkd cache inspect`: is the cache whole, and what is in it, for every target kind.
 
 topkd cache verify runs/cache               # exit 0 when every shard matches its checksum
-topkd cache inspect runs/cache --plot m.png # fingerprint, totals, bytes/token, retained-mass histogram
+topkd cache inspect runs/cache --plot m.png # fingerprint, totals, bytes/token, then per target kind:
+                                            #   top-K / top-p: the teacher mass each row keeps, ids per row
+                                            #   sampled (and --head hybrids): draws, distinct ids per token
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from topkd.cache.reader import TopKCache
-from topkd.progress import wrote
+from topkd.progress import track, wrote
 
 MASS_BINS = np.array([0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0])
 
@@ -33,7 +35,7 @@ class InspectConfig:
 
 INSPECT_HELP = {
     "path": "cache directory (its manifest.json and shards)",
-    "plot": "also write the retained-mass histogram as a PNG here",
+    "plot": "also write the histograms (kept mass, ids per token) as a PNG here",
 }
 
 
@@ -49,30 +51,72 @@ def verify_cache(path: str) -> int:
     return 1 if problems else 0
 
 
-def retained_mass(cache: TopKCache) -> np.ndarray:
-    """Per-token top-K probability mass over the rows that train (exact, from the stored log mass): a chat cache's
-    masked rows (its repeated system prompt) would show as spikes of rows no loss ever reads."""
-    parts = []
-    for j in range(len(cache.manifest["shards"])):
-        shard = cache.shard(j)
-        mass = np.exp(shard.tensor("log_mass").astype(np.float64))
-        parts.append(
-            mass[shard.tensor("row_mask").astype(bool)] if "row_mask" in shard.names else mass
+@dataclass
+class RowStats:
+    """Per counted row (the rows a loss reads; a chat cache's prompt rows are not among them)."""
+
+    mass: np.ndarray  # the teacher probability the row holds: exact top-K mass, 1 for sampled rows
+    width: (
+        np.ndarray
+    )  # the distinct ids it stores (K for top-K; variable for top-p and sampled rows)
+
+
+def row_stats(cache: TopKCache) -> RowStats:
+    """Mass and width of every counted row, from the decoded sequences (every target kind and format)."""
+    mass, width = [], []
+    for i in track(range(len(cache)), desc="cache inspect", unit="seq"):
+        j, local = cache.locate(i)
+        seq = cache.shard(j).sequence(local)
+        keep = slice(None) if seq.row_mask is None else seq.row_mask
+        mass.append(np.exp(seq.log_mass.astype(np.float64))[keep])
+        width.append(np.isfinite(seq.logprobs).sum(axis=1)[keep])
+    if not mass:
+        return RowStats(np.zeros(0), np.zeros(0, np.int64))
+    return RowStats(np.concatenate(mass), np.concatenate(width))
+
+
+def describe_targets(cache: TopKCache) -> str:
+    """One line saying what a row holds, from the build's target settings."""
+    targets = cache.manifest["build"].get("targets") or {}
+    if cache.targets == "sampled":
+        head = targets.get("head", 0)
+        exact = f"the {head} most likely ids exact, then " if head else ""
+        return (
+            f"sampled    {exact}{targets.get('samples')} draws per token from the full softmax (T = 1), kept "
+            "as the distinct ids with count / N: every row sums to 1, unbiased for full-vocabulary KD"
         )
-    return np.concatenate(parts) if parts else np.zeros(0)
+    if cache.targets == "topp":
+        return (
+            f"top-p      the fewest ids holding p >= {targets.get('top_p')} (at least {targets.get('min_k')}, "
+            f"at most K = {cache.k}); the rest of the mass in the tail"
+        )
+    return f"top-K      the teacher's {cache.k} most likely ids; the rest of the mass in the tail"
+
+
+def width_bins(cap: int) -> np.ndarray:
+    """Histogram edges for ids per row: 1, 2-3, 4-7, ... up to cap (the last bin closed at cap)."""
+    edges = [1]
+    while edges[-1] <= cap:
+        edges.append(edges[-1] * 2)
+    return np.array(edges[:-1] + [cap + 1])
+
+
+def _histogram_lines(counts: np.ndarray, labels: list[str]) -> list[str]:
+    top = max(int(counts.max()) if len(counts) else 0, 1)
+    return [f"  {label:<16} {c:>10}  {'#' * int(40 * c / top)}" for label, c in zip(labels, counts)]
 
 
 def inspect_cache(path: str, plot: str | None = None) -> dict:
     cache = TopKCache(path)
     m, fp, totals = cache.manifest, cache.fingerprint, cache.manifest["totals"]
-    mass = retained_mass(cache)
-    counts, _ = np.histogram(mass, bins=MASS_BINS)
+    stats = row_stats(cache)
     print(f"cache      {path}")
     for key in ("teacher", "engine", "dtype", "vocab_size", "k", "temperatures", "alignment"):
         print(f"{key:<10} {fp[key]}")
     print(
         f"codec      {m['build']['codec']}   seq_len {m['build']['seq_len']}   format v{m['format_version']}"
     )
+    print(describe_targets(cache))
     print(
         f"counted    {cache.counted_tokens} of {totals['tokens']} rows count for KD/CE "
         f"({cache.counted_tokens / max(totals['tokens'], 1):.1%}; chat data: assistant turns only)"
@@ -81,49 +125,73 @@ def inspect_cache(path: str, plot: str | None = None) -> dict:
         f"totals     {totals['sequences']} sequences, {totals['tokens']} tokens, {totals['shards']} shards, "
         f"{totals['bytes'] / 1e6:.2f} MB, {totals['bytes_per_token']:.1f} bytes/token"
     )
-    print(f"top-K mass mean {mass.mean():.4f}, median {np.median(mass):.4f}, min {mass.min():.4f}")
-    width = max(counts.max(), 1)
-    for lo, hi, c in zip(MASS_BINS, MASS_BINS[1:], counts):
-        print(
-            f"  [{lo:5.3f}, {hi:5.3f}{']' if hi == 1 else ')'} {c:>10}  {'#' * int(40 * c / width)}"
-        )
-    summary = {
-        "path": path,
-        "fingerprint": fp,
-        "totals": totals,
-        "mass_mean": float(mass.mean()),
-        "mass_hist": {"bins": MASS_BINS.tolist(), "counts": counts.tolist()},
-    }
-    if plot:
-        _plot(mass, fp, plot)
-        wrote("cache inspect", f"the retained-mass histogram to {plot}")
-    print(
-        json.dumps(
-            {
-                "cache": path,
-                "tokens": totals["tokens"],
-                "counted_tokens": cache.counted_tokens,
-                "bytes_per_token": totals["bytes_per_token"],
-                "mass_mean": summary["mass_mean"],
-            }
-        )
-    )
+    summary = {"path": path, "fingerprint": fp, "totals": totals, "targets": cache.targets}
+    if len(stats.mass) == 0:
+        print("no counted rows: nothing to histogram")
+    else:
+        summary.update(_print_histograms(cache, stats))
+    if plot and len(stats.mass):
+        _plot(stats, cache, plot)
+        wrote("cache inspect", f"the histograms (kept mass, ids per token) to {plot}")
+    keys = ("tokens", "bytes_per_token")
+    line = {"cache": path, "targets": cache.targets, "counted_tokens": cache.counted_tokens}
+    line.update({k: totals[k] for k in keys})
+    line.update({k: summary.get(k) for k in ("mass_mean", "width_mean")})
+    print(json.dumps(line))
     return summary
 
 
-def _plot(mass: np.ndarray, fp: dict, path: str) -> None:
+def _print_histograms(cache: TopKCache, stats: RowStats) -> dict:
+    """The kept-mass histogram (top-K and top-p rows; sampled rows always hold all of it) and ids per row."""
+    out = {"mass_mean": float(stats.mass.mean()), "width_mean": float(stats.width.mean())}
+    if cache.targets != "sampled":
+        counts, _ = np.histogram(stats.mass, bins=MASS_BINS)
+        print(
+            f"kept mass  mean {stats.mass.mean():.4f}, median {np.median(stats.mass):.4f}, "
+            f"min {stats.mass.min():.4f} (teacher probability in the stored ids, per counted token)"
+        )
+        labels = [
+            f"[{lo:5.3f}, {hi:5.3f}{']' if hi == 1 else ')'}"
+            for lo, hi in zip(MASS_BINS, MASS_BINS[1:])
+        ]
+        print("\n".join(_histogram_lines(counts, labels)))
+        out["mass_hist"] = {"bins": MASS_BINS.tolist(), "counts": counts.tolist()}
+    bins = width_bins(max(cache.k, int(stats.width.max())))
+    counts, _ = np.histogram(stats.width, bins=bins)
+    what = "distinct ids drawn" if cache.targets == "sampled" else "ids stored"
+    print(
+        f"width      {what} per counted token: mean {stats.width.mean():.1f}, median "
+        f"{np.median(stats.width):.0f}, min {stats.width.min()}, max {stats.width.max()} (K = {cache.k})"
+    )
+    labels = [str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(bins, bins[1:])]
+    if cache.targets != "topk":  # a top-K cache's rows are all K wide: one line says it
+        print("\n".join(_histogram_lines(counts, labels)))
+    out["width_hist"] = {"bins": bins.tolist(), "counts": counts.tolist()}
+    return out
+
+
+def _plot(stats: RowStats, cache: TopKCache, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.hist(mass, bins=50, range=(0, 1))
-    ax.set_xlabel(f"teacher probability mass in the top-{fp['k']}")
-    ax.set_ylabel("counted tokens")
-    ax.set_yscale("log")
-    ax.set_title(
-        f"top-K coverage, {fp['teacher'].split('/')[-1]} (V={fp['vocab_size']})", fontsize=9
+    fp = cache.fingerprint
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    if cache.targets == "sampled":
+        left.text(0.5, 0.5, "sampled rows hold all the mass\n(count / N sums to 1)", ha="center")
+        left.set_axis_off()
+    else:
+        left.hist(stats.mass, bins=50, range=(0, 1))
+        left.set_xlabel("teacher probability mass in the stored ids")
+        left.set_ylabel("counted tokens")
+        left.set_yscale("log")
+    right.hist(stats.width, bins=np.arange(0.5, max(cache.k, int(stats.width.max())) + 1.5))
+    right.set_xlabel("distinct ids drawn" if cache.targets == "sampled" else "ids stored per token")
+    right.set_ylabel("counted tokens")
+    fig.suptitle(
+        f"{cache.targets} targets, {fp['teacher'].split('/')[-1]} (V={fp['vocab_size']}, K={fp['k']})",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -162,8 +162,9 @@ def axolotl_row(item: dict[str, torch.Tensor]) -> dict[str, list]:
 def export_axolotl(cache_dir: str, out: str) -> str:
     """Write the cache as an Axolotl KD dataset in out (see the module docstring); returns the Parquet path. The
     cache is verified first; a failure part way removes what this export wrote, so a rerun starts clean."""
+    cache = _exportable(cache_dir)  # the rows' kind before the extra: a refusal costs no install
     datasets = _require_datasets()
-    cache = _exportable(cache_dir)
+    _verified(cache)
     # one row per document piece: no attention across documents
     data = TopKDataset(cache, packing="none")
     path = os.path.join(out, DATA_FILE)
@@ -205,20 +206,26 @@ def export_axolotl(cache_dir: str, out: str) -> str:
 
 
 def _exportable(cache_dir: str) -> TopKCache:
-    """The cache, if the Axolotl format can hold its rows (top-K targets) and every shard verifies."""
+    """The cache, if the Axolotl format can hold its rows (top-K targets)."""
     cache = TopKCache(cache_dir)
     if cache.targets != "topk":
         raise ValueError(
             f"cache {cache_dir}: expected top-K targets for the Axolotl format, got {cache.targets} "
-            "targets (rows of variable K, which its collator cannot pair); export a top-K cache"
+            "targets (rows of variable K, which its collator cannot pair); export a cache built with "
+            "--targets topk, or train on this one with topkd itself (topkd train, KDTrainer, TopKDataset)"
         )
+    return cache
+
+
+def _verified(cache: TopKCache) -> None:
+    """Refuse a cache any of whose shards fails its checksum."""
+    cache_dir = cache.path
     problems = cache.verify()
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise mf.CacheError(
             f"cache {cache_dir}: {problems[0]}{more}; rerun its build command to repair it, then export"
         )
-    return cache
 
 
 IMPORT_COLUMNS = ("input_ids", "target_token_ids", "target_logprobs", "target_mask")

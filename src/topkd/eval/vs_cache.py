@@ -15,6 +15,10 @@ Per counted token (the training stream's mask: no separator rows, no padding), a
 kl_bucket comes from topkd.fused_linear_kd itself (no gradient), the loss the student trains on.
 Both are 0 for the teacher itself up to the cache's quantisation (the renorm *training* loss is
 not: it compares the renormalised teacher with the student's full softmax).
+Rows of variable K (top-p, sampled) are scored over their real entries; their padding is never read. On a sampled
+cache the "teacher" is the draws (count / N): kl_bucket is then KL to the draws, whose cross-entropy part is
+unbiased, so differences between models scored on one cache are unbiased while the level is not the teacher's
+KL (its plug-in entropy is low); top-1 is the most drawn id. `topkd eval --teacher` gives the exact figures.
 """
 
 from __future__ import annotations
@@ -95,14 +99,18 @@ def _student_head(model, vocab: int):
 def _metric_sums(hidden, weight, bias, ids, logprobs) -> dict[str, float]:
     """Each of METRICS summed over one sequence's counted tokens."""
     stats = head_stats(hidden, weight, bias, teacher_ids=ids)
-    student = stats["logprobs_at_teacher_ids"].double()
     teacher = logprobs.double()
+    real = torch.isfinite(
+        teacher
+    )  # padding of rows of variable K repeats an id: never counted twice
+    student = stats["logprobs_at_teacher_ids"].double().masked_fill(~real, -torch.inf)
     p_renorm, q_renorm = teacher.log_softmax(dim=-1), student.log_softmax(dim=-1)
+    renorm = torch.where(real, p_renorm.exp() * (p_renorm - q_renorm), 0.0)
     return {
         "kl_bucket": float(
             fused_linear_kd(hidden, weight, ids, logprobs, bias=bias, reduction="sum")
         ),
-        "kl_renorm": float((p_renorm.exp() * (p_renorm - q_renorm)).sum()),
+        "kl_renorm": float(renorm.sum()),
         "top1_agreement": float((stats["argmax"] == ids[:, 0].long()).sum()),
         "teacher_topk_mass": float(teacher.logsumexp(dim=-1).exp().sum()),
         "student_mass_on_topk": float(student.logsumexp(dim=-1).exp().sum()),
