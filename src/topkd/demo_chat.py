@@ -133,17 +133,27 @@ def cache_step(
     seq_len: int,
     k: int,
     max_sequences: int = 0,
+    **targets,
 ) -> None:
-    """A demo cache, built (or resumed) as one step."""
+    """A demo cache, built (or resumed) as one step; targets: e.g. targets="sampled", samples=50."""
     config = CacheBuildConfig(
-        teacher=teacher, data=data, out=out, seq_len=seq_len, k=k, max_sequences=max_sequences
+        teacher=teacher,
+        data=data,
+        out=out,
+        seq_len=seq_len,
+        k=k,
+        max_sequences=max_sequences,
+        **targets,
     )
     step(name, lambda: build(config))
 
 
-def train_students(step, prefix: str, cache: str, init_dir: str, out: str, n: dict) -> None:
-    """The KD student and its CE control trained on one cache from the same initialisation, one step each."""
-    for name, objective in STUDENTS.items():
+def train_students(
+    step, prefix: str, cache: str, init_dir: str, out: str, n: dict, students: dict = STUDENTS
+) -> None:
+    """Students (name: objective) trained on one cache from the same initialisation, one step each: by default
+    the KD student and its CE control."""
+    for name, objective in students.items():
         config = TrainConfig(
             cache=cache,
             student=init_dir,
@@ -158,9 +168,11 @@ def train_students(step, prefix: str, cache: str, init_dir: str, out: str, n: di
         step(prefix + name, lambda c=config: train(c))
 
 
-def models_to_score(teacher_dir: str, init_dir: str, out: str) -> dict[str, str]:
-    """Every model the demo scores: the teacher, the cut it starts from, and the two students' final weights."""
-    finals = {name: os.path.join(out, name, "final") for name in STUDENTS}
+def models_to_score(
+    teacher_dir: str, init_dir: str, out: str, students: tuple[str, ...] = tuple(STUDENTS)
+) -> dict[str, str]:
+    """Every model the demo scores: the teacher, the cut it starts from, and the students' final weights."""
+    finals = {name: os.path.join(out, name, "final") for name in students}
     return {"teacher": teacher_dir, "student-init": init_dir, **finals}
 
 

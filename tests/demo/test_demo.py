@@ -7,7 +7,7 @@ import pytest
 
 from tests.assets import PLAYS, SMOLLM2, asset
 from tests.cache.tiny import make_chat_teacher, make_text
-from topkd.demo import DemoConfig, run_demo
+from topkd.demo import DemoConfig, gap_closed, run_demo
 
 
 def plays(tmp_path):
@@ -38,11 +38,16 @@ def test_quick_demo_runs_every_step_and_reports(teacher_dir, tmp_path, capsys):
         k=16,
     )
     report = run_demo(cfg)
-    assert set(report["models"]) == {"teacher", "student-init", "student-kd", "student-ce"}
-    kl = {name: m["vs_teacher"]["kl_bucket"] for name, m in report["models"].items()}
+    students = {"student-kd", "student-sampled", "student-ce"}
+    assert set(report["models"]) == {"teacher", "student-init"} | students
+    kl = {name: m["text"]["kl_full"] for name, m in report["models"].items()}
     assert kl["teacher"] < 1e-3 < kl["student-init"]
-    # distillation moved the student towards the teacher
-    assert kl["student-kd"] < kl["student-init"]
+    # distillation moved the students towards the teacher, on either kind of targets
+    assert kl["student-kd"] < kl["student-init"] and kl["student-sampled"] < kl["student-init"]
+    assert (
+        report["caches"]["sampled"]["targets"] == "sampled" and set(report["training"]) == students
+    )
+    assert report["gap_closed"] == gap_closed(report["models"])
     for name in ("report.txt", "report.json", "demo.png", "timings.json"):
         assert os.path.getsize(tmp_path / "demo" / name) > 0
     chat = report["chat"]
@@ -51,7 +56,8 @@ def test_quick_demo_runs_every_step_and_reports(teacher_dir, tmp_path, capsys):
     assert (
         chat["models"]["teacher"]["kl_bucket"] < 1e-3 < chat["models"]["student-init"]["kl_bucket"]
     )
-    assert "bits/byte" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bits/byte" in out and "KD sampled N=50" in out and "gap %" in out
     assert "held-out chat" in (tmp_path / "demo" / "report.txt").read_text()
     again = run_demo(cfg)  # every step is done: a rerun only re-reads and re-reports
     assert again["models"] == json.loads(json.dumps(report["models"]))
@@ -82,3 +88,13 @@ def test_demo_names_its_inputs_before_running(tmp_path):
             )
         )
     assert not (tmp_path / "demo").exists()
+
+
+def test_gap_closed_is_the_share_of_the_ce_students_gap_to_the_teacher():
+    def scores(**bpb):
+        return {name.replace("_", "-"): {"text": {"bits_per_byte": v}} for name, v in bpb.items()}
+
+    got = gap_closed(scores(teacher=1.5, student_init=6.0, student_ce=2.5, student_kd=2.25))
+    assert got == {"student-kd": pytest.approx(0.25)}
+    # CE already as good as the (tiny, random) teacher: no gap to close, none reported
+    assert gap_closed(scores(teacher=3.0, student_ce=2.5, student_kd=2.25)) == {}
