@@ -36,24 +36,24 @@ def test_readme_examples_run(built_cache, teacher_dir, tmp_path):
     assert any("row" in ns and ns["row"]["teacher_ids"].shape[1] == 16 for ns in spaces)
 
 
-def test_readme_file_tree_matches_the_tree():
-    """Every path the README's file tree names exists, and every module of the package is in it."""
+def test_the_file_tree_matches_the_tree():
+    """Every path docs/architecture.md's file tree names exists, and every module of the package is in it."""
     root = pathlib.Path(__file__).parents[1]
-    text = (root / "README.md").read_text()
+    text = (root / "docs" / "architecture.md").read_text()
     tree = text[text.index("## Files") :]
     listed = {
         m.group(1).rstrip("/")
         for m in re.finditer(r"^((?:src|tests|docs|benchmarks)/\S+)", tree, re.M)
     }
     missing = sorted(p for p in listed if not (root / p).exists())
-    assert not missing, f"README names paths that do not exist: {missing}"
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
     modules = {
         str(p.relative_to(root))
         for p in (root / "src" / "topkd").rglob("*.py")
         if p.name != "__init__.py"
     }
     assert not sorted(modules - listed), (
-        f"modules missing from the README tree: {sorted(modules - listed)}"
+        f"modules missing from docs/architecture.md's tree: {sorted(modules - listed)}"
     )
 
 
