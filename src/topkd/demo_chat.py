@@ -20,6 +20,17 @@ from topkd.eval.run import EvalConfig, run_eval
 from topkd.files import write_atomic
 from topkd.train import TrainConfig, train
 
+__all__ = [
+    "STUDENTS",
+    "cache_step",
+    "chat_lines",
+    "models_to_score",
+    "play_conversations",
+    "run_chat_step",
+    "train_students",
+    "write_conversations",
+]
+
 # "Ham." / "Mar. and Ber."
 SPEAKER = re.compile(r"^([A-Z][A-Za-z]*\.?( and [A-Z][A-Za-z]*\.?)?)\s*$")
 
