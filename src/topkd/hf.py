@@ -35,7 +35,6 @@ from topkd.data import EpochSampler, TopKDataset, collate
 from topkd.data.samples import SequenceSource
 from topkd.loss import loss_parts
 from topkd.loss.options import LossOptions
-from topkd.rows import sampled_targets_problem
 from topkd.train.student import batch_loss
 
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))
@@ -215,9 +214,9 @@ def check_student_against_cache(
 def check_sampled_targets(dataset, options: LossOptions, top_k: int) -> None:
     """As `topkd train` does: a TopKDataset of a sampled cache refuses the options its targets cannot train with."""
     cache = _dataset_source(dataset)
-    if cache is None or cache.targets != "sampled":
+    if cache is None:
         return
-    problem = sampled_targets_problem(options.divergence, options.temperature, top_k)
+    problem = cache.target_kind.training_problem(options.divergence, options.temperature, top_k)
     if problem:
         raise ValueError(
             f"KDTrainer: the dataset's cache {cache.path} holds {problem}; pass "

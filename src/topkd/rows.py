@@ -5,7 +5,6 @@ One home for these checks: the loss runs them on the counted tokens of
 every batch (topkd/loss/validate.py), `topkd cache import` on every row it reads (topkd/cache/interchange.py).
 
     check_values(ids, logprobs, logz, labels, vocab, tail="bucket", temperature=1.0)   # ValueError naming the fix
-    sampled_targets_problem(divergence, temperature, top_k)   # what sampled rows cannot be trained with, or None
 
 O(N K), never O(N V); rows are walked in blocks, so no N x K float64 temporary is made.
 """
@@ -138,15 +137,3 @@ def _duplicate_rows(ids: Tensor) -> int:
         return 0
     s = ids.sort(dim=-1).values
     return int((s[:, 1:] == s[:, :-1]).any(dim=-1).sum())
-
-
-def sampled_targets_problem(divergence: str, temperature: float, top_k: int) -> str | None:
-    """Sampled targets (count / N of N draws at T = 1, zero off the drawn ids) estimate the teacher without bias
-    only for a forward divergence at T = 1 over all their entries: `topkd train` and KDTrainer both ask here."""
-    if divergence == "reverse_kl" or float(temperature) != 1.0 or top_k:
-        return (
-            "sampled targets (an unbiased estimate of the teacher at T = 1, zero off the drawn ids) expected "
-            f"divergence kl|jsd|tvd, temperature 1 and no top_k, got divergence={divergence} "
-            f"temperature={temperature} top_k={top_k}"
-        )
-    return None

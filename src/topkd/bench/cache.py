@@ -32,6 +32,7 @@ from topkd.cache.build_config import CacheBuildConfig
 from topkd.cache.engine_rows import EngineRows, teacher_sequence
 from topkd.cache.reader import TopKCache
 from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
+from topkd.cache.targets import TARGET_KINDS
 from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
 from topkd.progress import track, wrote
@@ -49,8 +50,9 @@ class CacheBenchConfig:
     batch_size: int = 4
     temperatures: list[float] = field(default_factory=lambda: [2.0])
     dtype: str = "float32"
-    targets: list[str] = field(default_factory=lambda: ["topk", "sampled", "topp"])
+    targets: list[str] = field(default_factory=lambda: list(TARGET_KINDS))
     samples: int = 50
+    head: int = 0
     top_p: float = 0.95
     min_k: int = 4
 
@@ -67,10 +69,11 @@ CACHE_BENCH_HELP = {
     "dtype": "teacher dtype",
     "targets": "caches built and read back for bytes/token and decode speed (topk, sampled, topp; none: skip)",
     "samples": "sampled arm: draws per token",
+    "head": "sampled arm: this many most likely ids kept exact, the draws from the rest (a hybrid)",
     "top_p": "topp arm: mass kept per token",
     "min_k": "topp arm: entries kept per token at least",
 }
-TARGET_ARMS = ("topk", "sampled", "topp")
+TARGET_ARMS = tuple(TARGET_KINDS)
 
 
 def run_cache_bench(cfg: CacheBenchConfig) -> dict:
@@ -193,11 +196,7 @@ def _encode_write(batch, per_seq, vocab, out, temperatures) -> None:
 
 
 def _arm_name(cfg: CacheBenchConfig, kind: str) -> str:
-    return {
-        "topk": f"top-{cfg.k}",
-        "sampled": f"sampled N={cfg.samples}",
-        "topp": f"top-p {cfg.top_p}",
-    }[kind]
+    return TARGET_KINDS[kind].label(cfg)
 
 
 def _measure_targets(cfg: CacheBenchConfig, kind: str) -> dict:
@@ -205,10 +204,6 @@ def _measure_targets(cfg: CacheBenchConfig, kind: str) -> dict:
     back through TopKCache in this process; the cache is removed after."""
     out = os.path.join(cfg.out, f"targets-{kind}")
     shutil.rmtree(out, ignore_errors=True)
-    options = {
-        "sampled": {"samples": cfg.samples},
-        "topp": {"top_p": cfg.top_p, "min_k": cfg.min_k},
-    }.get(kind, {})
     start = time.perf_counter()
     manifest = build(
         CacheBuildConfig(
@@ -221,7 +216,10 @@ def _measure_targets(cfg: CacheBenchConfig, kind: str) -> dict:
             batch_size=cfg.batch_size,
             dtype=cfg.dtype,
             targets=kind,
-            **options,
+            samples=cfg.samples,
+            head=cfg.head if TARGET_KINDS[kind].draws else 0,  # --head: the sampled arm's alone
+            top_p=cfg.top_p,
+            min_k=cfg.min_k,
         )
     )
     built = time.perf_counter() - start
@@ -233,7 +231,8 @@ def _measure_targets(cfg: CacheBenchConfig, kind: str) -> dict:
     tokens = manifest["totals"]["tokens"]
     return {
         "targets": kind,
-        **options,
+        # the kind's own settings, as its build hash records them (none for top-K)
+        **{k: v for k, v in (TARGET_KINDS[kind].settings(cfg) or {}).items() if k != "kind"},
         "format_version": manifest["format_version"],
         "tokens": tokens,
         "bytes_per_token": manifest["totals"]["bytes_per_token"],

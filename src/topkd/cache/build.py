@@ -20,7 +20,6 @@ import torch
 
 from topkd import dist
 from topkd.cache import manifest as mf
-from topkd.cache.adaptive import adaptive_rows
 from topkd.cache.build_config import CacheBuildConfig, check_config, check_positions, row_width
 from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer
 from topkd.cache.engine_rows import EngineRows, teacher_sequence
@@ -28,6 +27,7 @@ from topkd.cache.engines import ENGINES
 from topkd.cache.repair import build_lock, check_or_repair, finished, remove_stale_temps
 from topkd.cache.sampled import Sampler, sampling_seed
 from topkd.cache.shard import encode_shard, shard_facts, write_shard
+from topkd.cache.targets import target_kind
 from topkd.cache.teacher import TeacherEngine
 from topkd.data.chat import check_chat_tokenizer
 from topkd.data.documents import chat_roles, iter_documents, pack_sequences
@@ -133,7 +133,7 @@ def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
     if cfg.chat_template:
         check_chat_tokenizer(teacher.tokenizer, cfg.chat_template)
     if not 1 <= row_width(cfg) <= teacher.vocab:
-        name = "samples" if cfg.targets == "sampled" else "k"
+        name = "samples" if target_kind(cfg.targets).draws else "k"
         raise ValueError(
             f"{name}: expected 1 <= {name} <= vocab size {teacher.vocab}, got {row_width(cfg)}"
         )
@@ -198,8 +198,8 @@ def _write_one_shard(
         codec_name=cfg.codec,
         identity=identity,
         temperatures=tuple(cfg.temperatures),
-        variable_k=cfg.targets != "topk",
-        samples=cfg.samples if cfg.targets == "sampled" and not cfg.head else None,
+        variable_k=target_kind(cfg.targets).variable_k,
+        samples=target_kind(cfg.targets).counts_of(cfg),
     )
     nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
     facts = shard_facts(rows, meta)
@@ -208,17 +208,13 @@ def _write_one_shard(
 
 
 def _adapted(cfg: CacheBuildConfig, rows: EngineRows) -> EngineRows:
-    """--targets topp: the rows cut to mass --top-p (topkd/cache/adaptive.py); other targets as they come."""
-    return (
-        adaptive_rows(rows, cfg.top_p, cfg.min_k, tuple(cfg.temperatures))
-        if cfg.targets == "topp"
-        else rows
-    )
+    """The engine's rows as the kind keeps them (--targets topp: cut to mass --top-p; others as they come)."""
+    return target_kind(cfg.targets).adapt(cfg, rows)
 
 
 def _sampler(cfg: CacheBuildConfig, teacher, build_hash: str, j: int):
     """--targets sampled: shard j's own seeded generator (a redone shard draws exactly what it drew before)."""
-    if cfg.targets != "sampled":
+    if not target_kind(cfg.targets).draws:
         return None
     device = getattr(getattr(teacher, "model", None), "device", torch.device("cpu"))
     return Sampler(
@@ -306,16 +302,9 @@ def _build_info(cfg: CacheBuildConfig, teacher: TeacherEngine) -> dict:
             if getattr(cfg, k) != getattr(defaults, k)
         }
     )
-    if cfg.targets == "sampled":  # top-K caches keep their build hash
-        # no head: the hash of earlier builds
-        keep["targets"] = {
-            "kind": "sampled",
-            "samples": cfg.samples,
-            "temperature": 1.0,
-            **({"head": cfg.head} if cfg.head else {}),
-        }
-    if cfg.targets == "topp":
-        keep["targets"] = {"kind": "topp", "top_p": cfg.top_p, "min_k": cfg.min_k}
+    targets = target_kind(cfg.targets).settings(cfg)
+    if targets is not None:  # None: top-K, whose caches keep the build hash they always had
+        keep["targets"] = targets
     if cfg.chat_template:
         keep["chat_template_sha256"] = file_sha256(cfg.chat_template)
     return {**keep, "data": data, "separator": teacher.tokenizer.eos_token_id}

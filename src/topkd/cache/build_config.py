@@ -13,17 +13,16 @@ from dataclasses import dataclass, field
 
 from topkd.cache.engines import ENGINES
 from topkd.cache.shard import CODECS, DEFAULT_CODEC
+from topkd.cache.targets import TARGET_KINDS, target_kind
 from topkd.checks import require_device, require_dtype, require_ints, require_path
 from topkd.data.chat import check_train_on
 from topkd.data.documents import check_paths
 from topkd.models import model_positions
 
-TARGETS = ("topk", "sampled", "topp")
-
 
 def row_width(cfg) -> int:
     """Entries per cached row: K for top-K targets, N (the draws: the most distinct ids a row can hold) sampled."""
-    return cfg.samples + cfg.head if cfg.targets == "sampled" else cfg.k
+    return target_kind(cfg.targets).row_width(cfg)
 
 
 @dataclass
@@ -61,9 +60,7 @@ BUILD_HELP = {
     "out": "cache directory (created; a rerun with the same arguments resumes)",
     "seq_len": "tokens per sequence (documents are packed, EOS-separated; the last sequence may be shorter)",
     "k": "top-K log-probs kept per token",
-    "targets": "topk (the teacher's K most likely ids, exact, the rest one tail bucket) | sampled (--samples N "
-    "draws per token from the teacher's softmax: the distinct ids with count / N, an unbiased estimate "
-    "of the full distribution) | topp (adaptive top-K: --top-p, --min-k); the last two: cache format 5",
+    "targets": " | ".join(kind.help for kind in TARGET_KINDS.values()),
     "samples": "--targets sampled: draws per token (with replacement; about a quarter come out distinct)",
     "head": "--targets sampled: keep this many most likely ids exact and draw --samples from the rest (a hybrid)",
     "top_p": "--targets topp: keep per token the fewest of the top-K entries whose mass reaches this (the rest "
@@ -122,22 +119,10 @@ def check_config(cfg: CacheBuildConfig) -> None:
 
 
 def _check_targets(cfg: CacheBuildConfig) -> None:
-    if cfg.targets not in TARGETS:
-        raise ValueError(f"targets: expected one of {TARGETS}, got {cfg.targets!r}")
+    kind = target_kind(cfg.targets)
     require_ints(cfg, ("samples",), 1)
     require_ints(cfg, ("head",), 0)
-    if cfg.head and cfg.targets != "sampled":
-        raise ValueError(
-            f"--head: expected only with --targets sampled, got --head {cfg.head} with --targets "
-            f"{cfg.targets}; --k sets a top-K cache's width"
-        )
-    if cfg.targets == "topp" and not (
-        0 < cfg.top_p <= 1 and isinstance(cfg.min_k, int) and 1 <= cfg.min_k <= cfg.k
-    ):
-        raise ValueError(
-            f"--targets topp: expected 0 < --top-p <= 1 and 1 <= --min-k <= --k, got top_p={cfg.top_p} "
-            f"min_k={cfg.min_k} k={cfg.k}"
-        )
+    kind.check(cfg)
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
 
@@ -147,9 +132,9 @@ def _check_engine(cfg: CacheBuildConfig) -> None:
     if cfg.engine not in ENGINES:
         raise ValueError(f"engine: expected one of {' | '.join(ENGINES)}, got {cfg.engine!r}")
     engine = ENGINES[cfg.engine]
-    if cfg.targets == "sampled" and (cfg.temperatures or not engine.full_vocabulary):
+    if target_kind(cfg.targets).draws and (cfg.temperatures or not engine.full_vocabulary):
         raise ValueError(
-            f"--targets sampled: expected --engine hf and no --temperatures, got engine={cfg.engine!r} "
+            f"--targets {cfg.targets}: expected --engine hf and no --temperatures, got engine={cfg.engine!r} "
             f"temperatures={cfg.temperatures}; the draws are from the teacher at T = 1 (counts carry "
             "no c_T), and an engine that returns only a top-K has nothing to draw from"
         )

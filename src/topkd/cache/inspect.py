@@ -77,20 +77,7 @@ def row_stats(cache: TopKCache) -> RowStats:
 
 def describe_targets(cache: TopKCache) -> str:
     """One line saying what a row holds, from the build's target settings."""
-    targets = cache.manifest["build"].get("targets") or {}
-    if cache.targets == "sampled":
-        head = targets.get("head", 0)
-        exact = f"the {head} most likely ids exact, then " if head else ""
-        return (
-            f"sampled    {exact}{targets.get('samples')} draws per token from the full softmax (T = 1), kept "
-            "as the distinct ids with count / N: every row sums to 1, unbiased for full-vocabulary KD"
-        )
-    if cache.targets == "topp":
-        return (
-            f"top-p      the fewest ids holding p >= {targets.get('top_p')} (at least {targets.get('min_k')}, "
-            f"at most K = {cache.k}); the rest of the mass in the tail"
-        )
-    return f"top-K      the teacher's {cache.k} most likely ids; the rest of the mass in the tail"
+    return cache.target_kind.describe(cache.manifest["build"].get("targets") or {}, cache.k)
 
 
 def width_bins(cap: int) -> np.ndarray:
@@ -144,7 +131,8 @@ def inspect_cache(path: str, plot: str | None = None) -> dict:
 def _print_histograms(cache: TopKCache, stats: RowStats) -> dict:
     """The kept-mass histogram (top-K and top-p rows; sampled rows always hold all of it) and ids per row."""
     out = {"mass_mean": float(stats.mass.mean()), "width_mean": float(stats.width.mean())}
-    if cache.targets != "sampled":
+    kind = cache.target_kind
+    if not kind.holds_all_mass:
         counts, _ = np.histogram(stats.mass, bins=MASS_BINS)
         print(
             f"kept mass  mean {stats.mass.mean():.4f}, median {np.median(stats.mass):.4f}, "
@@ -158,13 +146,12 @@ def _print_histograms(cache: TopKCache, stats: RowStats) -> dict:
         out["mass_hist"] = {"bins": MASS_BINS.tolist(), "counts": counts.tolist()}
     bins = width_bins(max(cache.k, int(stats.width.max())))
     counts, _ = np.histogram(stats.width, bins=bins)
-    what = "distinct ids drawn" if cache.targets == "sampled" else "ids stored"
     print(
-        f"width      {what} per counted token: mean {stats.width.mean():.1f}, median "
+        f"width      {kind.width_label} per counted token: mean {stats.width.mean():.1f}, median "
         f"{np.median(stats.width):.0f}, min {stats.width.min()}, max {stats.width.max()} (K = {cache.k})"
     )
     labels = [str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(bins, bins[1:])]
-    if cache.targets != "topk":  # a top-K cache's rows are all K wide: one line says it
+    if kind.variable_k:  # rows all K wide: one line says it
         print("\n".join(_histogram_lines(counts, labels)))
     out["width_hist"] = {"bins": bins.tolist(), "counts": counts.tolist()}
     return out
@@ -178,8 +165,10 @@ def _plot(stats: RowStats, cache: TopKCache, path: str) -> None:
 
     fp = cache.fingerprint
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    if cache.targets == "sampled":
-        left.text(0.5, 0.5, "sampled rows hold all the mass\n(count / N sums to 1)", ha="center")
+    if cache.target_kind.holds_all_mass:
+        left.text(
+            0.5, 0.5, f"{cache.targets} rows hold all the mass\n(count / N sums to 1)", ha="center"
+        )
         left.set_axis_off()
     else:
         left.hist(stats.mass, bins=50, range=(0, 1))
@@ -187,7 +176,7 @@ def _plot(stats: RowStats, cache: TopKCache, path: str) -> None:
         left.set_ylabel("counted tokens")
         left.set_yscale("log")
     right.hist(stats.width, bins=np.arange(0.5, max(cache.k, int(stats.width.max())) + 1.5))
-    right.set_xlabel("distinct ids drawn" if cache.targets == "sampled" else "ids stored per token")
+    right.set_xlabel(f"{cache.target_kind.width_label} per token")
     right.set_ylabel("counted tokens")
     fig.suptitle(
         f"{cache.targets} targets, {fp['teacher'].split('/')[-1]} (V={fp['vocab_size']}, K={fp['k']})",

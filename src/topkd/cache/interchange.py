@@ -208,10 +208,11 @@ def export_axolotl(cache_dir: str, out: str) -> str:
 def _exportable(cache_dir: str) -> TopKCache:
     """The cache, if the Axolotl format can hold its rows (top-K targets)."""
     cache = TopKCache(cache_dir)
-    if cache.targets != "topk":
+    refusal = cache.target_kind.export_refusal
+    if refusal:
         raise ValueError(
             f"cache {cache_dir}: expected top-K targets for the Axolotl format, got {cache.targets} "
-            "targets (rows of variable K, which its collator cannot pair); export a cache built with "
+            f"targets ({refusal}); export a cache built with "
             "--targets topk, or train on this one with topkd itself (topkd train, KDTrainer, TopKDataset)"
         )
     return cache

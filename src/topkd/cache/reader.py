@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from topkd.cache import manifest as mf
 from topkd.cache.compat import check_student_fits, load_teacher_tokenizer, tokenizer_problems
 from topkd.cache.shard import ShardReader, expected_tensors, read_row_counts
+from topkd.cache.targets import TargetKind, kind_of_manifest
 from topkd.data import dataset
 
 OPEN_SHARDS = 64
@@ -66,9 +67,13 @@ class TopKCache:
 
     @property
     def targets(self) -> str:
-        """topk (the teacher's K most likely ids) or sampled (--targets sampled: count / N of N draws)."""
-        kind = self.manifest["build"].get("targets", {})
-        return kind.get("kind", "topk") if isinstance(kind, dict) else "topk"
+        """The name of the kind of target its rows hold (topkd/cache/targets.py): topk, sampled or topp."""
+        return self.target_kind.name
+
+    @property
+    def target_kind(self) -> TargetKind:
+        """What its rows hold and allow (topkd/cache/targets.py)."""
+        return kind_of_manifest(self.manifest["build"])
 
     @property
     def teacher_dir(self) -> str:

@@ -34,7 +34,9 @@ class SequenceSource(Protocol):
     seq_len: int  # tokens per sequence as the rows were made (the last may be shorter)
     temperatures: list[float]  # the T whose c_T each row carries, one logz column each
     separator: int | None  # the token between packed documents
-    targets: str  # topk | sampled | topp (topkd.cache.build_config.TARGETS)
+    targets: str  # the name of its kind of target: topk | sampled | topp
+    # what that kind stores and allows: a topkd.cache.targets.TargetKind (data sits below cache: not typed here)
+    target_kind: object
     teacher_dir: str  # where the teacher was loaded from
     tokens: int  # rows of all sequences
     counted_tokens: int  # rows that count for the loss (chat data: the assistant targets)
@@ -59,6 +61,7 @@ SOURCE_MEMBERS = (
     "temperatures",
     "separator",
     "targets",
+    "target_kind",
     "teacher_dir",
     "tokens",
     "counted_tokens",

@@ -20,6 +20,7 @@ import torch
 
 from topkd.cache.compat import check_student_fits
 from topkd.cache.engine_rows import EngineRows
+from topkd.cache.targets import TOPK, TargetKind
 from topkd.cache.teacher import Teacher, tokenizer_hash
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
 from topkd.models import model_head, soft_cap
@@ -96,7 +97,11 @@ class OnlineTeacher:
 
     @property
     def targets(self) -> str:
-        return "topk"  # the teacher's top k exactly (k = 0: top-V, the whole distribution)
+        return self.target_kind.name
+
+    @property
+    def target_kind(self) -> TargetKind:
+        return TOPK  # the teacher's top k exactly (k = 0: top-V, the whole distribution)
 
     @property
     def tokens(self) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from topkd.cache import TopKCache
 from topkd.cache.teacher import load_teacher
 from topkd.data.samples import SequenceSource
-from topkd.rows import sampled_targets_problem
 from topkd.train.config import TrainConfig, loss_options
 from topkd.train.online import OnlineTeacher
 
@@ -62,10 +61,9 @@ def check_source(cfg: TrainConfig, source: SequenceSource) -> None:
 
 
 def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
-    """Sampled targets (count / N of N draws, no tail) make sense only for a forward divergence at T = 1."""
-    if source.targets != "sampled":
-        return
-    problem = sampled_targets_problem(cfg.divergence, cfg.temperature, cfg.top_k)
+    """What the source's kind of target can train with (topkd/cache/targets.py): sampled rows (count / N of N
+    draws, no tail) only a forward divergence at T = 1."""
+    problem = source.target_kind.training_problem(cfg.divergence, cfg.temperature, cfg.top_k)
     if problem:
         raise ValueError(
             f"cache {cfg.cache}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
