@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.train.runs import config, losses
+from topkd import TopKDataset
 from topkd.cache import TopKCache
-from topkd.data import TopKDataset
 from topkd.loss import LossOptions
 from topkd.train import train
 from topkd.train.optim import lr_factor, param_groups
@@ -300,7 +300,7 @@ def test_a_dataset_of_lists_is_refused_with_the_way_to_a_topkdataset(built_cache
     rows = [{k: v.tolist() for k, v in data[i].items()} for i in range(4)]
     args = _cpu_args(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2)
     with pytest.raises(
-        ValueError, match="expected torch tensors, got input_ids: list.*topkd.data.TopKDataset"
+        ValueError, match="expected torch tensors, got input_ids: list.*topkd.TopKDataset"
     ):
         KDTrainer(model=_student(built_cache), args=args, train_dataset=rows).train()
 

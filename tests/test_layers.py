@@ -182,3 +182,35 @@ def test_no_module_imports_another_modules_private_names(path):
         if a.name.startswith("_") and not a.name.startswith("__")
     ]
     assert not private, f"{path.relative_to(SRC)} imports {private}"
+
+
+def _patches_at_import(tree: ast.Module) -> list[int]:
+    """Lines where module-level code assigns to an attribute of another object (`other.NAME = ...`)."""
+    assigns = [n for n in tree.body if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))]
+    targets = [(n, t) for n in assigns for t in getattr(n, "targets", [getattr(n, "target", None)])]
+    return [n.lineno for n, t in targets if isinstance(t, ast.Attribute)]
+
+
+@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_module_patches_another_when_imported(path):
+    """Importing a module changes nothing elsewhere: a dependency is an import, never a global set from above."""
+    lines = _patches_at_import(ast.parse(path.read_text()))
+    assert not lines, (
+        f"{path.relative_to(SRC)}:{lines} sets another module's attribute at import time"
+    )
+
+
+def test_the_patch_check_finds_one():
+    tree = ast.parse("from topkd.data import dataset\ndataset.PATH_OPENER = object\nx = 1\n")
+    assert _patches_at_import(tree) == [2]
+
+
+def test_the_old_home_of_the_dataset_says_where_it_went():
+    import topkd.data
+
+    with pytest.raises(
+        AttributeError, match=r"expected it in topkd.cache .*use `from topkd import TopKDataset`"
+    ):
+        topkd.data.TopKDataset
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        topkd.data.nothing

@@ -18,9 +18,9 @@ import torch
 
 from tests.conftest import cache_config
 from tests.train.runs import config, losses
+from topkd import TopKDataset
 from topkd.cache import TopKCache, build
 from topkd.cli import main
-from topkd.data import TopKDataset
 
 KINDS = {
     "topk": {},

@@ -1,7 +1,7 @@
 """topkd.hf: distil inside Hugging Face Trainer or TRL's SFTTrainer, from a top-K cache, with the fused loss.
 
     from topkd.cache import TopKCache
-    from topkd.data import TopKDataset
+    from topkd import TopKDataset
     from topkd.hf import KDTrainer
     from topkd.loss import LossOptions
 
@@ -31,8 +31,8 @@ import sys
 import torch
 import transformers
 
-from topkd.data import EpochSampler, TopKDataset, collate
-from topkd.data.samples import SequenceSource
+from topkd.cache.dataset import EpochSampler, TopKDataset
+from topkd.data.samples import SequenceSource, collate
 from topkd.loss import loss_parts
 from topkd.loss.options import LossOptions
 from topkd.train.student import batch_loss
@@ -114,7 +114,7 @@ class KDTrainerMixin:
         if missing:
             raise ValueError(
                 f"KDTrainer: expected batches with the teacher's columns, got none of {missing} (keys "
-                f"{sorted(inputs)}); train on a topkd.data.TopKDataset collated by topkd.data.collate"
+                f"{sorted(inputs)}); train on a topkd.TopKDataset collated by topkd.collate"
             )
         if self.kd_options.needs_logz and "teacher_logz" not in inputs:
             raise ValueError(

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from topkd import TopKDataset
 from topkd.cache import TopKCache
 from topkd.cache.interchange import axolotl_row, imported_sequence
 from topkd.cli import main
-from topkd.data import TopKDataset
 
 
 def test_a_row_is_laid_out_as_axolotl_0_18_pairs_it(built_cache):

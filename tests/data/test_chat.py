@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.cache.tiny import make_chat_teacher
 from tests.conftest import cache_config
+from topkd import TopKDataset
 from topkd.cache import TopKCache, build
-from topkd.data import TopKDataset
 from topkd.data.chat import chat_document
 
 CONVERSATION = [

@@ -40,11 +40,11 @@ import torch
 
 from topkd.cache import manifest as mf
 from topkd.cache.compat import save_teacher_tokenizer
+from topkd.cache.dataset import TopKDataset
 from topkd.cache.reader import TopKCache
 from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, shard_facts, write_shard
 from topkd.cache.teacher import fingerprint
 from topkd.checks import require_ints, require_path
-from topkd.data.dataset import TopKDataset
 from topkd.files import file_sha256, write_json_atomic
 from topkd.rows import check_values
 

@@ -23,7 +23,6 @@ from topkd.cache import manifest as mf
 from topkd.cache.compat import check_student_fits, load_teacher_tokenizer, tokenizer_problems
 from topkd.cache.shard import ShardReader, expected_tensors, read_row_counts
 from topkd.cache.targets import TargetKind, kind_of_manifest
-from topkd.data import dataset
 
 OPEN_SHARDS = 64
 # one row per token
@@ -262,7 +261,3 @@ class TopKCache:
             teacher_tokenizer,
             self.max_id,
         )
-
-
-# TopKDataset("runs/cache") opens the path as a cache (topkd/data/dataset.py)
-dataset.PATH_OPENER = TopKCache

@@ -155,7 +155,7 @@ class SampleStream:
         return self._decoded[1]
 
     def item(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample `index` (global: epoch * per_epoch + position) unpadded, as topkd.data.TopKDataset gives it."""
+        """Sample `index` (global: epoch * per_epoch + position) unpadded, as topkd.TopKDataset gives it."""
         pieces = [self._piece(i, a, e) for i, a, e in self.locate(index)]
         out = {name: torch.cat([p[name] for p, _ in pieces]) for name in pieces[0][0]}
         offsets = np.cumsum([0] + [len(p["input_ids"]) for p, _ in pieces])
@@ -238,7 +238,7 @@ SAMPLE_KEYS = ("input_ids", "position_ids", "labels", "kd_mask", "teacher_ids", 
 def _check_sample(sample, i: int) -> None:
     """An item as TopKDataset makes it; anything else is refused with the way to get one (never trained on)."""
     hint = (
-        "read the cache through topkd.data.TopKDataset (for TRL's SFTTrainer: topkd.hf.as_hf_dataset of one), "
+        "read the cache through topkd.TopKDataset (for TRL's SFTTrainer: topkd.hf.as_hf_dataset of one), "
         "whose items are exactly these"
     )
     if not isinstance(sample, dict):

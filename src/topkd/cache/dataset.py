@@ -1,7 +1,6 @@
-"""TopKDataset and collate: topkd's training samples as a map-style torch Dataset, for any trainer.
+"""TopKDataset and EpochSampler: topkd's training samples of a cache as a map-style torch Dataset, for any trainer.
 
-    from topkd.cache import TopKCache
-    from topkd.data import TopKDataset, collate
+    from topkd import EpochSampler, TopKDataset, collate     # (homes: topkd.cache.dataset, topkd.data.samples)
 
     data = TopKDataset("runs/cache", seq_len=2048, seed=0)        # a path or a TopKCache; temperature=T: tempered KD
     sampler = EpochSampler(data)                                              # sampler.set_epoch(e) per epoch
@@ -27,13 +26,13 @@ workers each decode their own samples.
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import torch
 
-from topkd.data.samples import SampleStream, SequenceSource, collate, logz_column, missing_members
+from topkd.cache.reader import TopKCache
+from topkd.data.samples import SampleStream, SequenceSource, logz_column, missing_members
 
-__all__ = ["EpochSampler", "TopKDataset", "collate"]
+__all__ = ["EpochSampler", "TopKDataset"]
 
 
 class TopKDataset(torch.utils.data.Dataset):
@@ -73,15 +72,10 @@ class TopKDataset(torch.utils.data.Dataset):
         return self.stream.item(int(index))
 
 
-# How a path becomes a sequence source: topkd.cache.reader sets it to TopKCache when it is imported (data sits
-# below cache and imports nothing of it; `import topkd` imports the reader, so a path always works).
-PATH_OPENER: Callable[[str], SequenceSource] | None = None
-
-
 def _source(cache) -> SequenceSource:
     """A cache directory's path becomes its TopKCache; a TopKCache or other sequence source is taken as it is."""
-    if isinstance(cache, (str, os.PathLike)) and PATH_OPENER is not None:
-        return PATH_OPENER(os.fspath(cache))
+    if isinstance(cache, (str, os.PathLike)):
+        return TopKCache(os.fspath(cache))
     missing = missing_members(cache)
     if missing:
         lacks = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")

@@ -1,11 +1,11 @@
-"""topkd.data.TopKDataset and collate: topkd train's samples, in its order, through a plain DataLoader
-(workers included); padding, the temperature column, epochs and refusals."""
+"""topkd.cache.dataset: TopKDataset and EpochSampler (with collate): topkd train's samples, in its order, through
+a plain DataLoader (workers included); padding, the temperature column, epochs and refusals."""
 
 import pytest
 import torch
 
+from topkd import EpochSampler, TopKDataset, collate
 from topkd.cache import TopKCache
-from topkd.data import EpochSampler, TopKDataset, collate
 from topkd.data.samples import SampleStream
 
 KEYS = {"input_ids", "position_ids", "labels", "kd_mask", "teacher_ids", "teacher_logprobs"}
