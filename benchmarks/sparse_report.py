@@ -22,7 +22,8 @@ def _spread(values: list[float]) -> float:
 def summarise(runs: dict, sizes: dict) -> dict:
     """Per arm: the mean and seed-to-seed spread (max - min) of each metric, its cache's bytes/token and build
     time (sizes: arm -> {bytes_per_token, build_s} or None for online arms), and the share of the CE -> dense gap
-    in held-out LM loss it closes (from the means)."""
+    it closes (from the means) in held-out LM loss (gap_closed) and in full-vocabulary KL (kl_gap_closed); None
+    where CE is no worse than dense KD on that measure (no gap to close: on chat, CE can win in LM loss)."""
     arms = {}
     for name, by_seed in runs.items():
         scores = list(by_seed.values())
@@ -37,29 +38,34 @@ def summarise(runs: dict, sizes: dict) -> dict:
         arms[name] = row
     ce, dense = arms.get("ce"), arms.get(CEILING)
     for row in arms.values():
-        closes = ce and dense and ce["lm_loss"] != dense["lm_loss"]
-        row["gap_closed"] = (
-            (ce["lm_loss"] - row["lm_loss"]) / (ce["lm_loss"] - dense["lm_loss"])
-            if closes
-            else None
-        )
+        row["gap_closed"] = _share_closed(ce, dense, row, "lm_loss")
+        row["kl_gap_closed"] = _share_closed(ce, dense, row, "kl_full")
     return arms
+
+
+def _share_closed(ce: dict | None, dense: dict | None, row: dict, metric: str) -> float | None:
+    if not (ce and dense and ce[metric] > dense[metric]):
+        return None
+    return (ce[metric] - row[metric]) / (ce[metric] - dense[metric])
 
 
 def table(arms: dict) -> str:
     head = (
         f"{'arm':<24}{'seeds':>6}{'B/token':>8}{'build s':>8}{'LM loss':>9}{'+-':>7}{'bits/B':>8}"
-        f"{'KL full':>9}{'+-':>7}{'ECE':>7}{'accept':>8}{'gap %':>7}"
+        f"{'KL full':>9}{'+-':>7}{'ECE':>7}{'accept':>8}{'LM gap%':>8}{'KL gap%':>8}"
     )
     lines = [head, "-" * len(head)]
     for name, r in arms.items():
         size = "-" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:.1f}"
         built = "-" if r["build_s"] is None else f"{r['build_s']:.0f}"
-        gap = "-" if r["gap_closed"] is None else f"{100 * r['gap_closed']:.0f}"
+        gap, kl_gap = (
+            "-" if r.get(key) is None else f"{100 * r[key]:.0f}"
+            for key in ("gap_closed", "kl_gap_closed")
+        )
         lines.append(
             f"{name:<24}{len(r['seeds']):>6}{size:>8}{built:>8}{r['lm_loss']:>9.4f}{r['lm_loss_spread']:>7.4f}"
             f"{r['bits_per_byte']:>8.4f}{r['kl_full']:>9.4f}{r['kl_full_spread']:>7.4f}{r['ece']:>7.4f}"
-            f"{r['acceptance']:>8.4f}{gap:>7}"
+            f"{r['acceptance']:>8.4f}{gap:>8}{kl_gap:>8}"
         )
     return "\n".join(lines)
 
@@ -164,6 +170,12 @@ def plot(arms: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def held(args: dict) -> str:
+    if args.get("chat"):
+        return f"conversations from Hamlet (their first {args['heldout_tokens']} tokens, assistant tokens scored)"
+    return f"Hamlet ({args['heldout_tokens']} tokens)"
+
+
 def write(result: dict, out: str, baseline: dict | None = None) -> str:
     """sparse.json, report.txt (table, verdict, scaling against a baseline) and sparse.png in out, from one result."""
     args, arms = result["args"], result["arms"]
@@ -171,13 +183,13 @@ def write(result: dict, out: str, baseline: dict | None = None) -> str:
     text = "\n".join(
         [
             f"sparse targets on {data}: {args['steps']} steps x 4 x {args['seq_len']} tokens per arm, seeds "
-            f"{args['seeds']}, held-out Hamlet ({args['heldout_tokens']} tokens) vs the live teacher",
+            f"{args['seeds']}, held-out {held(args)} vs the live teacher",
             "stamp: "
             + " ".join(
                 f"{k}={v}" for k, v in result["stamp"].items() if isinstance(v, (str, int, float))
             ),
-            "+-: seed-to-seed spread (max - min); gap %: share of the CE -> dense-KD gap in held-out LM "
-            "loss closed",
+            "+-: seed-to-seed spread (max - min); LM gap% / KL gap%: share of the CE -> dense-KD gap closed in "
+            "held-out LM loss / full-vocabulary KL ('-': CE is no worse than dense KD there, no gap to close)",
             table(arms),
             "",
             verdict(result["runs"], arms),

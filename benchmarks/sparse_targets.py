@@ -249,8 +249,10 @@ def main() -> None:
     )
     if baseline:
         baseline["source"] = args.baseline
-    if args.render:
-        print(write(json.load(open(os.path.join(args.out, "sparse.json"))), args.out, baseline))
+    if args.render:  # the summaries recomputed from the stored runs (a report written by older code renders anew)
+        result = json.load(open(os.path.join(args.out, "sparse.json")))
+        result["arms"] = summarise(result["runs"], result["arms"])
+        print(write(result, args.out, baseline))
         return
     os.makedirs(args.out, exist_ok=True)
     args.teacher_dir = hf_teacher(args.teacher, os.path.join(args.work, "teacher"))

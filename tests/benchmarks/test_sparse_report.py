@@ -28,8 +28,21 @@ def test_gap_closed_and_paired_differences():
     arms = summarise(runs, {"ce": {"bytes_per_token": 220.0, "build_s": 1.0}})
     assert arms["sampled N=50"]["gap_closed"] == pytest.approx(0.5)
     assert arms["ce"]["gap_closed"] == pytest.approx(0.0)
+    assert arms["sampled N=50"]["kl_gap_closed"] == pytest.approx(0.9)  # (2.4 - 1.95) / (2.4 - 1.9)
     assert arms["dense online"]["bytes_per_token"] is None
     assert paired(runs, "sampled N=50", "kl_full") == pytest.approx({"0": 0.1, "1": 0.0})
+
+
+def test_no_gap_to_close_where_ce_is_no_worse_than_dense_kd():
+    lm = {
+        "ce": [5.4, 5.4],
+        "sampled N=50": [5.6, 5.6],
+        "dense online": [5.5, 5.5],
+    }  # CE wins in LM loss
+    runs = _runs({"ce": [2.4, 2.4], "sampled N=50": [2.0, 2.0], "dense online": [1.9, 1.9]}, lm)
+    arms = summarise(runs, {})
+    assert arms["sampled N=50"]["gap_closed"] is None
+    assert arms["sampled N=50"]["kl_gap_closed"] == pytest.approx(0.8)
 
 
 def test_scaling_says_shrank_only_beyond_the_spread(tmp_path):
