@@ -178,6 +178,7 @@ def packing_runs(args) -> list[dict]:
                 data=[data[part]],
                 out=caches[part],
                 seq_len=args.seq_len,
+                targets="topk",
                 k=100,
                 max_sequences=seqs,
             )

@@ -43,7 +43,7 @@ from topkd.demo_chat import play_conversations, write_conversations
 from topkd.eval import EvalConfig, run_eval
 
 CACHES = {
-    "top-100": {"k": 100},
+    "top-100": {"targets": "topk", "k": 100},
     "sampled": {"targets": "sampled", "samples": 50},
     "sampled-100": {"targets": "sampled", "samples": 100},
     "hybrid": {"targets": "sampled", "samples": 50, "head": 8},

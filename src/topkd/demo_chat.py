@@ -146,7 +146,8 @@ def cache_step(
     max_sequences: int = 0,
     **targets,
 ) -> None:
-    """A demo cache, built (or resumed) as one step; targets: e.g. targets="sampled", samples=50."""
+    """A demo cache, built (or resumed) as one step; targets: e.g. targets="sampled", samples=50 (none: top-K)."""
+    targets = {"targets": "topk", **targets}
     config = CacheBuildConfig(
         teacher=teacher,
         data=data,

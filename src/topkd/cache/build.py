@@ -41,6 +41,8 @@ def build(cfg: CacheBuildConfig) -> dict:
     check_config(cfg)
     rank, world, teacher = _start_engine(cfg)
     check_teacher_fits(teacher, cfg)
+    if rank == 0 and cfg.part == 0:
+        _say_targets(cfg)
     me, builders = cfg.part * world + rank, cfg.parts * world
     # also refuses empty or out-of-vocabulary data
     total = _count_tokens(teacher, cfg, me, builders)
@@ -125,6 +127,17 @@ def _write_manifest(
         flush=True,
     )
     return manifest
+
+
+def _say_targets(cfg: CacheBuildConfig) -> None:
+    """One line naming the kind of target built: the default is sampled, so an old `--k 100` command says so."""
+    kind = target_kind(cfg.targets)
+    other = (
+        " (--targets topk --k 100: the teacher's top-K, for temperatures and reverse KL)"
+        if kind.draws
+        else ""
+    )
+    print(f"cache build: {kind.label(cfg)} targets{other}", flush=True)
 
 
 def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
