@@ -54,3 +54,41 @@ def test_nothing_is_recorded_outside_a_block_and_blocks_add_up():
         a = topkd.fused_linear_kd(x, w, ids, logprobs, mask=mask, reduction="sum")
         b = topkd.fused_linear_kd(x[:5], w, ids[:5], logprobs[:5], reduction="sum")
     assert float(parts["kd"]) == pytest.approx(float(a + b), rel=1e-6) and float(parts["ce"]) == 0.0
+
+
+def test_a_plan_is_made_in_one_place_and_carries_the_whole_call():
+    import ast
+    import pathlib
+
+    import torch
+
+    from topkd.loss.api import StudentSide, TeacherSide, build_plan
+    from topkd.loss.options import LossOptions
+
+    src = pathlib.Path(__file__).parents[2] / "src" / "topkd"
+    makers = [
+        f"{p.relative_to(src)}:{n.lineno}"
+        for p in src.rglob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Plan"
+    ]
+    assert len(makers) == 1 and makers[0].startswith("loss/api.py"), makers
+    hidden = torch.randn(2, 3, 8, requires_grad=True)
+    ids = torch.stack([torch.randperm(11)[:4] for _ in range(6)]).reshape(
+        2, 3, 4
+    )  # distinct per token
+    logprobs = torch.log_softmax(torch.randn(2, 3, 4), -1) - 1.0
+    mask = torch.tensor([[True, False, True], [True, True, True]])
+    x, plan = build_plan(
+        StudentSide(hidden, torch.randn(11, 8)),
+        TeacherSide(ids, logprobs, mask=mask),
+        options=LossOptions(),
+    )
+    assert x.shape == (6, 8) and plan.row_index.tolist() == [0, 2, 3, 4, 5]
+    assert len(plan.rows) == 5 and plan.grad_wanted
+    with torch.no_grad():
+        assert not build_plan(
+            StudentSide(hidden, torch.randn(11, 8)),
+            TeacherSide(ids, logprobs),
+            options=LossOptions(),
+        )[1].grad_wanted

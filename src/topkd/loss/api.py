@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -101,63 +101,58 @@ def kd_loss(
     )
     with no_autocast:  # autocast's bf16 GEMMs would mix dtypes in dX/dW
         return _dispatch(
-            hidden,
-            weight,
-            teacher_ids,
-            teacher_logprobs,
-            options,
-            mask,
-            teacher_logz,
-            labels,
-            bias,
-            vocab_parallel,
+            StudentSide(hidden, weight, bias, labels),
+            TeacherSide(teacher_ids, teacher_logprobs, teacher_logz, mask),
+            options=options,
+            vocab_parallel=vocab_parallel,
         )
 
 
+@dataclass(frozen=True)
+class StudentSide:
+    """The student's half of a loss call: final hidden states, its lm_head (weight, bias), the CE labels."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None = None
+    labels: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TeacherSide:
+    """The teacher's half: its sparse rows (ids, log-probs, c_T per token) and which tokens count (mask)."""
+
+    ids: Tensor
+    logprobs: Tensor
+    logz: Tensor | None = None
+    mask: Tensor | None = None
+
+
 def _dispatch(
-    hidden,
-    weight,
-    teacher_ids,
-    teacher_logprobs,
+    student: StudentSide,
+    teacher: TeacherSide,
+    *,
     options: LossOptions,
-    mask,
-    teacher_logz,
-    labels,
-    bias,
-    vocab_parallel,
+    vocab_parallel: VocabParallel | None,
 ) -> Tensor:
     impl = options.impl
     if impl == "triton":
         from topkd.loss import triton_chunk  # Triton is imported only where it is asked for
 
-        triton_chunk.check_inputs(hidden.dtype, options.ce_weight, float(options.temperature))
+        triton_chunk.check_inputs(
+            student.hidden.dtype, options.ce_weight, float(options.temperature)
+        )
     if vocab_parallel is not None and impl != "fused":
         raise ValueError(
             f"vocab_parallel: expected impl='fused' (the driver that shards the vocabulary), got "
             f"impl={impl!r}"
         )
-    vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel.vocab_size
-    x, plan = prepare(
-        hidden,
-        weight,
-        bias,
-        teacher_ids,
-        teacher_logprobs,
-        mask,
-        teacher_logz,
-        labels,
-        options,
-        vocab,
-    )
+    x, plan = build_plan(student, teacher, options=options, vocab_parallel=vocab_parallel)
+    lead = student.hidden.shape[:-1]
     if impl in ("fused", "triton"):
-        if vocab_parallel is not None:  # the torch passes: the Triton kernels see whole rows only
-            plan = replace(
-                plan, vocab=shard_for(vocab_parallel, weight, len(plan.rows), plan.chunk)
-            )
-        else:
-            plan = replace(plan, kernels=kernels_for(impl, hidden, plan.spec))
-        return run_fused(x, weight, bias, plan, hidden.shape[:-1])
+        return run_fused(x, student.weight, student.bias, plan, lead)
     counted = x if plan.row_index is None else x.index_select(0, plan.row_index)
+    weight, bias = student.weight, student.bias
     if impl == "chunked":
         loss = chunked_linear_kd(
             counted, weight, bias, plan.rows, plan.spec, options.reduction, plan.chunk
@@ -166,7 +161,7 @@ def _dispatch(
         loss = dense_linear_kd(counted, weight, bias, plan.rows, plan.spec, options.reduction)
     if options.reduction != "none":
         return loss
-    return scatter_tokens(loss, plan.row_index, x.shape[0]).reshape(hidden.shape[:-1])
+    return scatter_tokens(loss, plan.row_index, x.shape[0]).reshape(lead)
 
 
 KERNELS_ENV = "TOPKD_FUSED_KERNELS"  # auto | torch | triton: what impl="fused" runs (torch: bisect a kernel bug)
@@ -208,11 +203,8 @@ def _triton_here(device_type: str) -> bool:
 def run_fused(
     x: Tensor, weight: Tensor, bias: Tensor | None, plan: Plan, lead: torch.Size
 ) -> Tensor:
-    """The fused driver under autograd on prepare()'s outputs; "none" is scattered back to shape `lead`."""
-    grad_wanted = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
-    )
-    loss = FusedLinearKD.apply(x, weight, bias, replace(plan, grad_wanted=grad_wanted))
+    """The fused driver under autograd on build_plan()'s outputs; "none" is scattered back to shape `lead`."""
+    loss = FusedLinearKD.apply(x, weight, bias, plan)
     return (
         loss
         if plan.spec.reduction != "none"
@@ -220,37 +212,35 @@ def run_fused(
     )
 
 
-def prepare(
-    hidden,
-    weight,
-    bias,
-    teacher_ids,
-    teacher_logprobs,
-    mask,
-    teacher_logz,
-    labels,
+def build_plan(
+    student: StudentSide,
+    teacher: TeacherSide,
+    *,
     options: LossOptions,
-    vocab: int,
+    vocab_parallel: VocabParallel | None = None,
 ) -> tuple[Tensor, Plan]:
-    """Validate, then (the 2-D hidden, the call's Plan: counted rows, their TeacherRows, LossSpec, chunk rows).
-    vocab is the full vocabulary; weight may hold only some of its rows (vocab-parallel)."""
+    """Validate, then (the 2-D hidden, the call's whole Plan): counted rows, their TeacherRows, LossSpec, chunk
+    rows, and for the fused driver its vocabulary shard or kernels and whether gradients are wanted. The one
+    place a Plan is made; weight may hold only some of the vocabulary's rows (vocab-parallel)."""
+    hidden, weight = student.hidden, student.weight
+    vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel.vocab_size
     validate.check_shapes(
-        hidden, weight, bias, teacher_ids, teacher_logprobs, mask, teacher_logz, labels, vocab
+        hidden,
+        weight,
+        student.bias,
+        teacher.ids,
+        teacher.logprobs,
+        teacher.mask,
+        teacher.logz,
+        student.labels,
+        vocab,
     )
-    options.check_inputs(teacher_logz is not None, labels is not None)
-    k = teacher_ids.shape[-1]
+    options.check_inputs(teacher.logz is not None, student.labels is not None)
     x = hidden.reshape(-1, hidden.shape[-1])
-    row_index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    row_index = None if teacher.mask is None else teacher.mask.reshape(-1).nonzero().squeeze(1)
     if row_index is not None and row_index.numel() == x.shape[0]:
         row_index = None  # nothing masked: contiguous slices, no gathers
-    rows = _counted_rows(
-        teacher_ids,
-        teacher_logprobs,
-        teacher_logz,
-        labels if options.needs_labels else None,
-        row_index,
-        k,
-    )
+    rows = _counted_rows(teacher, student.labels if options.needs_labels else None, row_index)
     validate.check_values(
         rows.ids,
         rows.logprobs,
@@ -261,18 +251,30 @@ def prepare(
         float(options.temperature),
     )
     rows = with_padding(rows)  # variable K: -inf entries are padding
+    k = teacher.ids.shape[-1]
     spec = LossSpec(**options.kwargs(), full_support=(k == vocab and rows.padding is None))
     chunk = options.chunk_size or chunk_rows(
         weight.shape[0], hidden.dtype, spec, rows.labels is not None, hidden.device.type
     )
-    return x, Plan(row_index, rows, spec, chunk)
+    plan = Plan(row_index, rows, spec, chunk, grad_wanted=_grad_wanted(student))
+    if options.impl not in ("fused", "triton"):
+        return x, plan
+    if vocab_parallel is not None:  # the torch passes: the Triton kernels see whole rows only
+        return x, replace(plan, vocab=shard_for(vocab_parallel, weight, len(rows), chunk))
+    return x, replace(plan, kernels=kernels_for(options.impl, hidden, spec))
 
 
-def _counted_rows(ids, logprobs, logz, labels, row_index, k) -> TeacherRows:
+def _grad_wanted(student: StudentSide) -> bool:
+    tensors = (student.hidden, student.weight, student.bias)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _counted_rows(teacher: TeacherSide, labels, row_index) -> TeacherRows:
+    k = teacher.ids.shape[-1]
     rows = TeacherRows(
-        ids.reshape(-1, k),
-        logprobs.reshape(-1, k),
-        None if logz is None else logz.reshape(-1),
+        teacher.ids.reshape(-1, k),
+        teacher.logprobs.reshape(-1, k),
+        None if teacher.logz is None else teacher.logz.reshape(-1),
         None if labels is None else labels.reshape(-1),
     )
     return rows if row_index is None else rows.map(lambda t: t.index_select(0, row_index))

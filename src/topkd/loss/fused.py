@@ -74,7 +74,8 @@ def release_workspace() -> None:
 
 @dataclass(frozen=True)
 class Plan:
-    """One loss call as the driver runs it (from topkd.loss.api.prepare): all but the three differentiable tensors."""
+    """One loss call as the driver runs it (made by topkd.loss.api.build_plan only): all but the three differentiable
+    tensors."""
 
     row_index: Tensor | None  # the counted rows of the 2-D hidden; None when every row counts
     rows: TeacherRows  # the counted rows' teacher data
