@@ -193,6 +193,7 @@ def _write_one_shard(
 ):
     """Shard j: the teacher's rows of its sequences, encoded, written atomically, then its sidecar (the proof it is
     done). Returns its bytes."""
+    kind = target_kind(cfg.targets)
     sampler = _sampler(cfg, teacher, build_hash, j)
     engine_rows = teacher.sequence_rows(
         group,
@@ -211,8 +212,8 @@ def _write_one_shard(
         codec_name=cfg.codec,
         identity=identity,
         temperatures=tuple(cfg.temperatures),
-        variable_k=target_kind(cfg.targets).variable_k,
-        samples=target_kind(cfg.targets).counts_of(cfg),
+        variable_k=kind.variable_k,
+        samples=kind.counts_of(cfg),
     )
     nbytes = write_shard(mf.shard_path(cfg.out, j), arrays, meta)
     facts = shard_facts(rows, meta)

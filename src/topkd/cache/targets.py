@@ -7,7 +7,7 @@
 
 One entry per kind, as ENGINES (topkd/cache/engines.py) and CODECS (topkd/cache/shard_codecs.py): the build,
 `cache inspect`, `cache export`, `topkd train` and KDTrainer ask this table what a kind stores and allows, never
-which kind it is (tests/test_cache_targets.py checks that no other module compares a kind's name). A new kind
+which kind it is (tests/cache/test_targets.py checks that no other module compares a kind's name). A new kind
 (on-policy rows, cross-tokenizer rows) is a new entry here.
 """
 
@@ -111,7 +111,7 @@ TOPK = TargetKind(
     row_width=lambda cfg: cfg.k,
     settings=lambda cfg: (
         None
-    ),  # top-K caches keep the build hash they had before other kinds existed
+    ),  # no part: top-K caches keep the hash they had before other kinds existed
     describe=lambda targets, k: (
         f"top-K      the teacher's {k} most likely ids; the rest of the mass in the tail"
     ),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -256,12 +256,13 @@ def build_plan(
     chunk = options.chunk_size or chunk_rows(
         weight.shape[0], hidden.dtype, spec, rows.labels is not None, hidden.device.type
     )
-    plan = Plan(row_index, rows, spec, chunk, grad_wanted=_grad_wanted(student))
-    if options.impl not in ("fused", "triton"):
-        return x, plan
-    if vocab_parallel is not None:  # the torch passes: the Triton kernels see whole rows only
-        return x, replace(plan, vocab=shard_for(vocab_parallel, weight, len(rows), chunk))
-    return x, replace(plan, kernels=kernels_for(options.impl, hidden, spec))
+    driver = {}  # what the fused driver alone needs: a vocabulary shard, or its kernels
+    if options.impl in ("fused", "triton") and vocab_parallel is not None:
+        # the torch passes: the Triton kernels see whole rows only
+        driver["vocab"] = shard_for(vocab_parallel, weight, len(rows), chunk)
+    elif options.impl in ("fused", "triton"):
+        driver["kernels"] = kernels_for(options.impl, hidden, spec)
+    return x, Plan(row_index, rows, spec, chunk, grad_wanted=_grad_wanted(student), **driver)
 
 
 def _grad_wanted(student: StudentSide) -> bool:
