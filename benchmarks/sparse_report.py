@@ -77,14 +77,14 @@ def paired(runs: dict, name: str, metric: str, ceiling: str = CEILING) -> dict[s
 
 
 def _versus(runs: dict, name: str, metric: str) -> str:
-    """One metric of an arm against the ceiling: the difference of means, the paired difference per seed, and
-    whether it lies within the larger of the two arms' seed spreads."""
+    """One metric of an arm against the ceiling: the mean of the paired per-seed differences (seeds both have,
+    so an arm still missing a seed is not compared with the ceiling's other seeds), those differences, and
+    whether the mean lies within the larger of the two arms' seed spreads."""
     arm, top = runs[name], runs[CEILING]
-    mean = statistics.fmean(r[metric] for r in arm.values()) - statistics.fmean(
-        r[metric] for r in top.values()
-    )
+    pairs = paired(runs, name, metric)
+    mean = statistics.fmean(pairs.values())
     spread = max(_spread([r[metric] for r in rs.values()]) for rs in (arm, top))
-    per_seed = ", ".join(f"{d:+.4f}" for d in paired(runs, name, metric).values())
+    per_seed = ", ".join(f"{d:+.4f}" for d in pairs.values())
     within = "within" if abs(mean) <= spread else f"outside by {abs(mean) - spread:.4f}"
     return f"{metric} {mean:+.4f} (per seed {per_seed}; spread {spread:.4f}: {within})"
 

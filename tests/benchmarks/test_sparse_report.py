@@ -33,6 +33,13 @@ def test_gap_closed_and_paired_differences():
     assert paired(runs, "sampled N=50", "kl_full") == pytest.approx({"0": 0.1, "1": 0.0})
 
 
+def test_an_arm_missing_a_seed_is_compared_on_the_seeds_both_have():
+    from benchmarks.sparse_report import _versus
+
+    runs = _runs({"sampled N=50": [2.0], "dense online": [1.9, 1.5]}, LM)
+    assert "kl_full +0.1000 (per seed +0.1000;" in _versus(runs, "sampled N=50", "kl_full")
+
+
 def test_no_gap_to_close_where_ce_is_no_worse_than_dense_kd():
     lm = {
         "ce": [5.4, 5.4],
