@@ -15,6 +15,7 @@ from topkd.data.samples import SampleStream
 from topkd.loss import LossOptions
 from topkd.train import train
 from topkd.train.loop import train_step
+from topkd.train.run import Run
 from topkd.train.student import KDStudent, load_student
 
 
@@ -80,9 +81,7 @@ def test_accumulation_normalises_by_the_tokens_of_the_whole_step(built_cache, tm
         module = KDStudent(student.model, cache.vocab_size, LossOptions(ce_weight=0.5))
         opt = torch.optim.SGD(module.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        train_step(
-            module, SampleStream(cache, 30, seed=0), opt, sched, cfg, {"step": 0, "samples": 0}
-        )
+        train_step(Run(cfg, module, SampleStream(cache, 30, seed=0), opt, sched))
         grads.append(
             torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None])
         )

@@ -63,8 +63,8 @@ def test_loss_png_names_the_run_and_its_objective(tmp_path):
     import json
 
     from topkd.train import TrainConfig
-    from topkd.train.loop import run_title
     from topkd.train.report import plot_losses
+    from topkd.train.run import run_title
 
     assert (
         run_title(TrainConfig(out="runs/kd-a", ce_weight=0.1))

@@ -43,6 +43,7 @@ from topkd.loss import LossOptions
 from topkd.memory import status_kib
 from topkd.train.config import TrainConfig
 from topkd.train.loop import train_step
+from topkd.train.run import Run
 from topkd.train.student import KDStudent
 
 SMOLLM2 = dict(
@@ -164,8 +165,8 @@ def step(module, optimizer, stream, size: int, index: int = 0, bf16: bool = Fals
         batch_size=size, grad_accum=1, steps=10**6, warmup_steps=0, autocast_bf16=bf16
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    state = {"step": 0, "samples": index * size}
-    return train_step(module, stream, optimizer, scheduler, cfg, state)["seconds"]
+    run = Run(cfg, module, stream, optimizer, scheduler, state={"step": 0, "samples": index * size})
+    return train_step(run)["seconds"]
 
 
 def warm_up(module, optimizer) -> None:

@@ -10,6 +10,7 @@ change nothing but memory and speed (see topkd.train.parallel). AdamW
 (DCP: model, optimizer, scheduler, samples consumed) are written to a temp directory and
 renamed; a rerun of the same command resumes from the newest one and continues the exact loss
 trajectory. Outputs in --out: metrics.jsonl, loss.png, final/ (save_pretrained, safetensors).
+The functions here take one topkd.train.run.Run: the student, optimizer, schedule, data and counters.
 """
 
 from __future__ import annotations
@@ -26,20 +27,18 @@ from dataclasses import asdict
 import torch
 
 from topkd import dist
-from topkd.data.samples import SampleStream, count_tokens, logz_column
+from topkd.data.samples import SampleStream, count_tokens
 from topkd.files import exclusive_lock
 from topkd.loss import loss_parts
 from topkd.memory import process_peak_bytes, reserved_peak_bytes
 from topkd.progress import progress
 from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
-from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, loss_options
-from topkd.train.lora import save_lora_student
-from topkd.train.optim import lr_factor, make_optimizer
-from topkd.train.parallel import full_state_dict, scalar, shard_student
+from topkd.train.config import TrainConfig, check_config, check_paths, check_resume
+from topkd.train.parallel import scalar
 from topkd.train.report import open_reporter, plot_losses
-from topkd.train.sources import check_source, open_source
-from topkd.train.student import KDStudent, load_student
+from topkd.train.run import Run, open_run, run_title, save_final, warn_about_schedule
+from topkd.train.student import KDStudent
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -47,74 +46,37 @@ def train(cfg: TrainConfig) -> dict:
     check_config(cfg)
     check_paths(cfg)
     rank, world = dist.init(cfg.device)
-    device = dist.local_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    source = open_source(cfg, device)
-    check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
-    check_source(cfg, source)
-    seq_len = cfg.seq_len or source.seq_len
-    student = load_student(cfg, source)
-    options = loss_options(cfg)
-    stream = SampleStream(
-        source, seq_len, cfg.seed, logz_column(source, options.logz_temperature), cfg.packing
-    )
-    module = KDStudent(
-        student.model.to(device),
-        source.vocab_size,
-        options,
-        cfg.activation_checkpointing,
-        cfg.objective,
-        cfg.top_k,
-        torch.bfloat16 if cfg.autocast_bf16 else torch.float32,
-        cfg.fold_beyond_vocab,
-    )
-    shard_student(module, bf16=cfg.autocast_bf16)
-    if device.startswith("cuda"):
-        # any fp32 GEMM left (a fp32 run's body) on tensor cores
-        torch.backends.cuda.matmul.allow_tf32 = True
-    optimizer, scheduler = make_optimizer(module, cfg)
+    run = open_run(cfg, dist.local_device(cfg.device), world)
     os.makedirs(cfg.out, exist_ok=True)
     with exclusive_lock(
         os.path.join(cfg.out, f".train-{rank}.lock"),
         f"{cfg.out}: another topkd train is running there (process {{holder}} holds {{path}}); wait "
         "for it to finish (an overlapping requeued job?), or train into another --out",
     ):
-        return resume_and_run(module, student, stream, optimizer, scheduler, cfg, world)
+        return resume_and_run(run)
 
 
-def resume_and_run(
-    module: KDStudent,
-    student,
-    stream: SampleStream,
-    optimizer,
-    scheduler,
-    cfg: TrainConfig,
-    world: int,
-) -> dict:
+def resume_and_run(run: Run) -> dict:
     """With --out held: resume from its newest checkpoint, run the remaining steps, save final/ and the plot."""
-    rank, state = dist.rank(), {"step": 0, "samples": 0}
-    check_resume(cfg.out, cfg, world, resuming=ckpt.latest_step(cfg.out) is not None)
-    resumed = ckpt.load_latest(cfg.out, module, optimizer, scheduler, state)
+    cfg, state = run.cfg, run.state
+    check_resume(cfg.out, cfg, run.world, resuming=ckpt.latest_step(cfg.out) is not None)
+    resumed = run.resume()
     if state["step"] > cfg.steps:
         raise ValueError(
             f"steps: the run in {cfg.out} is already at step {state['step']}, beyond --steps "
             f"{cfg.steps}; pass --steps >= {state['step']} to continue it, or use a new --out"
         )
-    # the schedule of this run's flags (a resume may extend --steps)
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * lr_factor(state["step"], cfg)
-    warn_about_schedule(cfg, stream, world)
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    warn_about_schedule(run)
     # rows past the checkpoint will be recomputed
-    ckpt.truncate_metrics(metrics_path, state["step"])
-    if rank == 0:
+    ckpt.truncate_metrics(run.metrics_path, state["step"])
+    if dist.rank() == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            json.dump({**asdict(cfg), "world_size": world}, f, indent=1)
-    row = run_steps(module, stream, optimizer, scheduler, cfg, state, resumed)
-    ckpt.save(cfg.out, module, optimizer, scheduler, state)
-    save_final(module, student, cfg)
-    if rank == 0:
-        plot_losses(metrics_path, os.path.join(cfg.out, "loss.png"), run_title(cfg))
+            json.dump({**asdict(cfg), "world_size": run.world}, f, indent=1)
+    row = run_steps(run, resumed)
+    run.save_checkpoint()
+    save_final(run)
+    if dist.rank() == 0:
+        plot_losses(run.metrics_path, os.path.join(cfg.out, "loss.png"), run_title(cfg))
         print(
             f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
             f"checkpoints/ in {cfg.out} (step {state['step']})",
@@ -123,18 +85,9 @@ def resume_and_run(
     return row
 
 
-def run_steps(
-    module: KDStudent,
-    stream: SampleStream,
-    optimizer,
-    scheduler,
-    cfg: TrainConfig,
-    state: dict,
-    resumed: bool,
-) -> dict:
+def run_steps(run: Run, resumed: bool) -> dict:
     """The step loop: metrics rows, progress, periodic checkpoints; on SIGINT/SIGTERM a checkpoint, then stop."""
-    rank, row = dist.rank(), {}
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    cfg, state, rank, row = run.cfg, run.state, dist.rank(), {}
     bar = progress(
         total=cfg.steps,
         initial=state["step"],
@@ -142,22 +95,20 @@ def run_steps(
         unit="step",
         disable=rank != 0,
     )
-    steps = step_loader(stream, cfg, state, workers=0 if cfg.teacher else cfg.loader_workers)
+    steps = step_loader(run, workers=0 if cfg.teacher else cfg.loader_workers)
     reporter = open_reporter(
         cfg.report_to if rank == 0 else "none", cfg.out, asdict(cfg), state["step"]
     )
     try:
         with stop_requests() as stop, contextlib.closing(reporter):
             while state["step"] < cfg.steps:
-                row = train_step(
-                    module, stream, optimizer, scheduler, cfg, state, micro=next(steps)
-                )
-                _record(row, metrics_path if rank == 0 else None, reporter, bar)
+                row = train_step(run, micro=next(steps))
+                _record(row, run.metrics_path if rank == 0 else None, reporter, bar)
                 signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
                 if signum:
                     bar.close()
                     del steps
-                    path = ckpt.save(cfg.out, module, optimizer, scheduler, state)
+                    path = run.save_checkpoint()
                     raise Interrupted(
                         signum,
                         f"stopped at step {state['step']}; checkpoint saved to {path}; rerun the same "
@@ -168,7 +119,7 @@ def run_steps(
                     and state["step"] % cfg.checkpoint_every == 0
                     and state["step"] < cfg.steps
                 ):
-                    ckpt.save(cfg.out, module, optimizer, scheduler, state)
+                    run.save_checkpoint()
     finally:  # an error mid-run too: the bar's timer stops with it
         bar.close()
     del steps  # loader workers shut down now, not at interpreter exit
@@ -188,56 +139,6 @@ def _record(row: dict, metrics_path: str | None, reporter, bar) -> None:
     bar.update(1)
 
 
-def warn_about_schedule(cfg: TrainConfig, stream: SampleStream, world: int) -> None:
-    """Say so when the run repeats the data or never leaves warmup: both are legal, neither is usually meant."""
-    samples = cfg.steps * cfg.batch_size * cfg.grad_accum * world
-    if dist.rank() != 0:
-        return
-    if samples > stream.per_epoch:
-        print(
-            f"topkd train: warning: {cfg.steps} steps x {samples // cfg.steps} samples = {samples} samples, "
-            f"{samples / stream.per_epoch:.1f} epochs over the {stream.per_epoch} samples of this data; every "
-            "sample is seen more than once",
-            file=sys.stderr,
-            flush=True,
-        )
-    if cfg.steps < cfg.warmup_steps:
-        print(
-            f"topkd train: warning: --steps {cfg.steps} is below --warmup-steps {cfg.warmup_steps}: the learning "
-            "rate never reaches --lr",
-            file=sys.stderr,
-            flush=True,
-        )
-    cached = stream.source.seq_len
-    if stream.seq_len > cached and stream.packing != "none":
-        print(
-            f"topkd train: warning: --seq-len {stream.seq_len} is longer than the cache's {cached}-token sequences: "
-            "each sample joins several of them, which the teacher never saw as one context (positions and "
-            f"attention restart at each), so no token gets more than {cached} tokens of context; use --seq-len "
-            f"{cached} or less, or rebuild the cache with a longer --seq-len",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def save_final(module: KDStudent, student, cfg: TrainConfig) -> None:
-    """save_pretrained of the unsharded student (safetensors) in OUT/final, written by rank 0; a LoRA student's
-    adapters (and base, or the merged model) instead (topkd.train.lora)."""
-    path = os.path.join(cfg.out, "final")
-    # one process only (refused under torchrun): the module's weights are the student's
-    if cfg.lora_rank:
-        save_lora_student(
-            student.model, student.tokenizer, path, cfg.merge, base_dir=cfg.student or None
-        )
-        return
-    weights = full_state_dict(module)  # a collective; keys carry the wrapper's "model." prefix
-    if dist.rank() == 0:
-        weights = {name.removeprefix("model."): t for name, t in weights.items()}
-        student.model.save_pretrained(path, state_dict=weights)
-        student.tokenizer.save_pretrained(path)
-    dist.barrier()
-
-
 class _StepBatches(torch.utils.data.Dataset):
     """Item i: this rank's micro-batches of the i-th remaining step (a pure function of the sample index)."""
 
@@ -252,9 +153,10 @@ class _StepBatches(torch.utils.data.Dataset):
         return step_batches(self.stream, self.cfg, self.first_sample + i * per_step)
 
 
-def step_loader(stream: SampleStream, cfg: TrainConfig, state: dict, workers: int):
+def step_loader(run: Run, workers: int):
     """Micro-batch lists for every remaining step; with workers, decoded ahead in forked processes."""
-    data = _StepBatches(stream, cfg, state["samples"], cfg.steps - state["step"])
+    cfg, state = run.cfg, run.state
+    data = _StepBatches(run.stream, cfg, state["samples"], cfg.steps - state["step"])
     if workers == 0:
         return (data[i] for i in range(len(data)))
     loader = torch.utils.data.DataLoader(
@@ -285,25 +187,18 @@ def step_batches(
     ]
 
 
-def train_step(
-    module: KDStudent,
-    stream: SampleStream,
-    optimizer,
-    scheduler,
-    cfg: TrainConfig,
-    state: dict,
-    micro: list[dict] | None = None,
-) -> dict:
+def train_step(run: Run, micro: list[dict] | None = None) -> dict:
     """One optimizer step: grad_accum micro-batches per rank, normalised by the global batch's counted tokens.
     micro: the step's batches when already loaded (step_loader); otherwise read from the stream here."""
     start = time.perf_counter()
+    cfg, state, module, optimizer = run.cfg, run.state, run.module, run.optimizer
     world, rank = dist.world(), dist.rank()
     # dropout etc.: resume needs no RNG state
     torch.manual_seed(cfg.seed * 1_000_003 + state["step"] * world + rank)
     device = next(module.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # peak_gib is this step's
-    micro = [_to(b, device) for b in (micro or step_batches(stream, cfg, state["samples"]))]
+    micro = [_to(b, device) for b in (micro or step_batches(run.stream, cfg, state["samples"]))]
     tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
     total, kd_sum, ce_sum = _backward(module, micro, cfg, device, tokens)
@@ -312,8 +207,8 @@ def train_step(
     grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, clip))
     lr, loss = optimizer.param_groups[0]["lr"], dist.all_sum(total)
     finite = _update(optimizer, cfg, state["step"] + 1, loss, grad_norm, tokens)
-    scheduler.step()
-    epoch = state["samples"] // stream.per_epoch
+    run.scheduler.step()
+    epoch = state["samples"] // run.stream.per_epoch
     state["step"] += 1
     state["samples"] += cfg.batch_size * cfg.grad_accum * world
     if device.type == "cuda":
@@ -395,12 +290,3 @@ def _autocast(enabled: bool, device: torch.device):
     return (
         torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
     )
-
-
-def run_title(cfg: TrainConfig) -> str:
-    """What a loss curve is of: the run and its objective."""
-    run = os.path.basename(os.path.normpath(cfg.out))
-    if cfg.objective == "ce":
-        return f"{run}: cross entropy only (no teacher)"
-    extras = f", ce_weight {cfg.ce_weight:g}" if cfg.ce_weight else ""
-    return f"{run}: KD {cfg.divergence}, tail {cfg.tail}, T={cfg.temperature:g}{extras}"
