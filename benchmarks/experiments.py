@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 from topkd.bench import stamp
-from topkd.demo import split_texts
+from topkd.demo.run import split_texts
 from topkd.eval import EvalConfig, run_eval
 
 EXPERIMENTS = {

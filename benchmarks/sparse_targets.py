@@ -38,8 +38,8 @@ import time
 from benchmarks.sparse_report import summarise, write
 from topkd.bench import stamp
 from topkd.cache import CacheBuildConfig, TopKCache, build
-from topkd.demo import hf_teacher, save_cut_student, split_texts
-from topkd.demo_chat import play_conversations, write_conversations
+from topkd.demo.chat import play_conversations, write_conversations
+from topkd.demo.run import hf_teacher, save_cut_student, split_texts
 from topkd.eval import EvalConfig, run_eval
 
 CACHES = {

@@ -1,10 +1,10 @@
-"""topkd.dist device placement under NCCL, with a fake NCCL (CPU CI has only gloo): every rank binds its own
+"""topkd.base.dist device placement under NCCL, with a fake NCCL (CPU CI has only gloo): every rank binds its own
 GPU from LOCAL_RANK before the process group exists, and collectives go to that GPU, never cuda:0."""
 
 import torch
 import torch.distributed as tdist
 
-from topkd import dist
+from topkd.base import dist
 
 
 def test_init_binds_local_rank_before_the_process_group(monkeypatch):

@@ -6,19 +6,6 @@ import pathlib
 import pytest
 
 SRC = pathlib.Path(__file__).parents[1] / "src" / "topkd"
-BASE = {
-    "files",
-    "memory",
-    "stamp",
-    "progress",
-    "signals",
-    "checks",
-    "dist",
-    "tiles",
-    "trace",
-    "rows",
-    "version",
-}
 LAYERS = {  # layer -> the layers it may import (base is always allowed)
     "data": set(),
     "loss": set(),
@@ -34,7 +21,7 @@ def layer_of(module: str) -> str:
     if module == "topkd":  # the package facade re-exports the loss: an application of it
         return "app"
     top = module.split(".")[1]
-    if top in BASE:
+    if top == "base":  # src/topkd/base/: files, dist, memory, progress, signals, checks, stamp, ...
         return "base"
     return top if top in LAYERS else "app"
 
@@ -123,22 +110,20 @@ def test_no_import_circles_even_through_function_level_imports():
 BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
-def test_benchmark_scripts_import_only_public_names(path):
-    """benchmarks/ builds on topkd.bench and the packages' exported names (their __all__), never a module's inside:
-    the package's internals can move without breaking the project's own scripts."""
+def private_imports(path: pathlib.Path, packages: tuple[str, ...] = ("topkd",)) -> list[str]:
+    """The names path imports from inside one of packages that are not exported (in a package's __all__, or a
+    module that has one): `import topkd.x.y` counts as reaching inside."""
     import importlib
     import types
+
+    def inside(module: str) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages)
 
     private = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            private += [a.name for a in node.names if a.name.startswith("topkd.")]
-        elif (
-            isinstance(node, ast.ImportFrom)
-            and node.level == 0
-            and (node.module or "").split(".")[0] == "topkd"
-        ):
+            private += [a.name for a in node.names if inside(a.name) and a.name != "topkd"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and inside(node.module or ""):
             module = importlib.import_module(node.module)
             for a in node.names:
                 value = getattr(module, a.name, None)
@@ -147,9 +132,49 @@ def test_benchmark_scripts_import_only_public_names(path):
                 )
                 if not public:
                     private.append(f"{node.module}.{a.name}")
+    return private
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_scripts_import_only_public_names(path):
+    """benchmarks/ builds on topkd.bench and the packages' exported names (their __all__), never a module's inside:
+    the package's internals can move without breaking the project's own scripts."""
+    private = private_imports(path)
     assert not private, (
         f"{path.name} imports {private}: export them from topkd.bench (or the package's __all__)"
     )
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_topkd_bench_times_the_loss_and_the_cache_through_their_public_names(path):
+    """`topkd bench` measures what users call: topkd.loss, topkd.cache and the cache's format / building facades,
+    never a module inside them (so a benchmark cannot time a path no user takes)."""
+    private = private_imports(path, ("topkd.loss", "topkd.cache"))
+    assert not private, f"bench/{path.name} imports {private}: use (or export) a public name"
+
+
+def test_the_check_of_public_names_can_fail(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from topkd.loss.fused import chunk_rows\nfrom topkd.loss import kd_loss\n")
+    assert private_imports(probe, ("topkd.loss",)) == ["topkd.loss.fused.chunk_rows"]
+
+
+CACHE_LAYERS = {"format": set(), "building": {"format"}, "reading": {"format", "building"}}
+
+
+@pytest.mark.parametrize(
+    "path", sorted((SRC / "cache").rglob("*.py")), ids=lambda p: str(p.relative_to(SRC))
+)
+def test_the_cache_folders_are_layers_too(path):
+    """format (what is stored) <- building (teacher -> shards) <- reading (shards -> rows, verify, export)."""
+    folder = path.relative_to(SRC / "cache").parts[0]
+    if folder not in CACHE_LAYERS:  # topkd/cache/__init__.py: the facade over all three
+        return
+    allowed = CACHE_LAYERS[folder] | {folder}
+    upward = sorted(
+        m for m in imports(path) if m.startswith("topkd.cache.") and m.split(".")[2] not in allowed
+    )
+    assert not upward, f"cache/{folder}/{path.name} imports {upward}: see docs/architecture.md"
 
 
 def test_the_package_never_imports_the_benchmark_scripts():

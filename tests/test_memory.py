@@ -1,8 +1,8 @@
-"""topkd.memory: peak memory read one way (CPU VmHWM; on CUDA the allocated peak and, beside it, the reserved)."""
+"""topkd.base.memory: peak memory read one way (CPU VmHWM; on CUDA the allocated peak and, beside it, the reserved)."""
 
 import torch
 
-from topkd import memory
+from topkd.base import memory
 from topkd.bench.point import PeakMemory
 
 

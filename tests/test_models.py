@@ -87,7 +87,7 @@ def test_seq_len_beyond_the_teachers_positions_is_refused_before_it_loads(
 
     teacher = teacher_dir if which == "directory" else gguf_teacher
     assert model_positions(teacher) == 512
-    engines = importlib.import_module("topkd.cache.engines")
+    engines = importlib.import_module("topkd.cache.building.engines")
     monkeypatch.setattr(
         engines, "load_teacher", lambda *a, **k: pytest.fail("the teacher was loaded")
     )

@@ -4,7 +4,7 @@ the rate, train's line showing the step it counts, the build counting teacher ba
 import re
 import time
 
-from topkd.progress import PlainProgress, skipped
+from topkd.base.progress import PlainProgress, skipped
 
 
 def test_a_line_comes_on_time_while_one_unit_of_work_runs_long(monkeypatch, capsys):
@@ -70,7 +70,7 @@ def test_the_build_counts_teacher_batches_as_they_finish(
 
 
 def test_counts_read_as_a_person_writes_them():
-    from topkd.progress import count
+    from topkd.base.progress import count
 
     assert (count(1, "shard"), count(5, "shard"), count(1774, "token")) == (
         "1 shard",
@@ -84,7 +84,7 @@ def test_a_bar_left_unclosed_by_an_error_stops_printing(monkeypatch, capsys):
     the test suite): the users close their bars in finally, and a dropped bar's timer stops by itself."""
     import gc
 
-    from topkd.progress import track
+    from topkd.base.progress import track
 
     monkeypatch.setenv("TOPKD_PROGRESS_SECONDS", "0.1")
     try:

@@ -1,10 +1,10 @@
-"""topkd.trace: what each aten op moves and computes, and the live-memory peak, on real and meta tensors."""
+"""topkd.base.trace: what each aten op moves and computes, and the live-memory peak, on real and meta tensors."""
 
 import pytest
 import torch
 
-from topkd import trace
-from topkd.trace import OpTrace
+from topkd.base import trace
+from topkd.base.trace import OpTrace
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

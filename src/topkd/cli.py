@@ -11,7 +11,7 @@
     topkd bench train [--lengths 4096,16384,32768]         # training step memory/time per impl, cache loading
     topkd bench model [--device h200] [--calibrate]        # cost model: predicted time/memory; vs bench loss here
 
-Every subcommand is also a Python function (topkd.cache.build, topkd.cache.inspect, ...).
+Every subcommand is also a Python function (topkd.cache.build, topkd.cache.inspect_cache, topkd.train.train, ...).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from topkd.base.signals import Interrupted, signals_raise
 from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_bench
 from topkd.bench.loss import LOSS_BENCH_HELP, LossBenchConfig, run_loss_bench
 from topkd.bench.model_command import MODEL_BENCH_HELP, ModelBenchConfig, run_model_bench
 from topkd.bench.train import TRAIN_BENCH_HELP, TrainBenchConfig, run_train_bench
-from topkd.cache.build import build
-from topkd.cache.build_config import BUILD_HELP, CacheBuildConfig
-from topkd.cache.inspect import (
+from topkd.cache.building.build import build
+from topkd.cache.building.build_config import BUILD_HELP, CacheBuildConfig
+from topkd.cache.reading.inspect import (
     INSPECT_HELP,
     VERIFY_HELP,
     InspectConfig,
@@ -35,7 +36,7 @@ from topkd.cache.inspect import (
     inspect_cache,
     verify_cache,
 )
-from topkd.cache.interchange import (
+from topkd.cache.reading.interchange import (
     EXPORT_HELP,
     IMPORT_HELP,
     ExportConfig,
@@ -43,9 +44,8 @@ from topkd.cache.interchange import (
     run_export,
     run_import,
 )
-from topkd.demo import DEMO_HELP, DemoConfig, run_demo
+from topkd.demo.run import DEMO_HELP, DemoConfig, run_demo
 from topkd.eval.run import EVAL_HELP, EvalConfig, run_eval
-from topkd.signals import Interrupted, signals_raise
 from topkd.train import train
 from topkd.train.config import TRAIN_HELP, TrainConfig
 

@@ -31,7 +31,7 @@ import sys
 import torch
 import transformers
 
-from topkd.cache.dataset import EpochSampler, TopKDataset
+from topkd.cache.reading.dataset import EpochSampler, TopKDataset
 from topkd.data.samples import SequenceSource, collate
 from topkd.loss import loss_parts
 from topkd.loss.options import LossOptions

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
+from topkd.base.trace import Op
 from topkd.bench import model
 from topkd.bench.model import DeviceProfile, op_seconds, trace_impl
 from topkd.loss.chunk import LossSpec
 from topkd.loss.fused import GPU_ROW_MULTIPLE, chunk_rows
-from topkd.trace import Op
 
 
 @pytest.mark.parametrize("impl", ["fused", "fused:torch", "chunked", "dense"])

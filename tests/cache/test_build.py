@@ -204,7 +204,7 @@ def test_parts_build_their_own_shards_and_a_last_run_writes_the_manifest(
         assert build(cache_config(teacher_dir, text_file, out, part=part, parts=2)) == {}
         assert not (out / "manifest.json").exists()
     written = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.safetensors")}
-    from topkd.cache.teacher import Teacher
+    from topkd.cache.building.teacher import Teacher
 
     monkeypatch.setattr(
         Teacher, "sequence_rows", lambda *a, **k: pytest.fail("a finished shard was recomputed")

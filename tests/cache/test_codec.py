@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from topkd.cache import codec
+from topkd.cache.format import codec
 
 
 def random_topk(t, k, vocab, seed=0):
@@ -106,7 +106,7 @@ def test_bad_codes_are_refused():
 @pytest.mark.parametrize("codec_name", ["rice-zstd", "rice", "packed"])
 @pytest.mark.parametrize("vocab", [201088, 262144, 2**20])
 def test_shard_round_trip_at_large_vocabularies(tmp_path, codec_name, vocab):
-    from topkd.cache.shard import ShardReader, TeacherSequence, encode_shard, write_shard
+    from topkd.cache.format.shard import ShardReader, TeacherSequence, encode_shard, write_shard
 
     k, lengths = 100, (5, 3)
     seqs = []

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from topkd.cache import TopKCache
-from topkd.cache.compat import check_student_fits, tokenizer_mismatch
+from topkd.cache.building.compat import check_student_fits, tokenizer_mismatch
 
 
 def _swapped(tok, a: str, b: str):

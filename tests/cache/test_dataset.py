@@ -1,5 +1,5 @@
-"""topkd.cache.dataset: TopKDataset and EpochSampler (with collate): topkd train's samples, in its order, through
-a plain DataLoader (workers included); padding, the temperature column, epochs and refusals."""
+"""topkd.cache.reading.dataset: TopKDataset and EpochSampler (with collate): topkd train's samples, in its order,
+through a plain DataLoader (workers included); padding, the temperature column, epochs and refusals."""
 
 import pytest
 import torch

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from topkd.cache.engine_rows import EngineRows
+from topkd.cache.format.engine_rows import EngineRows
 
 
 def rows(n: int, k: int = 3, temps: int = 1, tempered: bool = True) -> EngineRows:

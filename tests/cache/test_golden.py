@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from topkd.cache.shard import (
+from topkd.cache.format.shard import (
     FORMAT_VERSION,
     UNMASKED_VERSION,
     ShardReader,
@@ -117,10 +117,10 @@ GOLDEN_CODEC_BYTES = {  # every tensor a codec writes, as literal bytes (tests/c
 
 @pytest.mark.parametrize("codec_name", list(GOLDEN_CODEC_BYTES))
 def test_golden_codec_tensors_byte_for_byte(codec_name):
-    """The codec table (topkd/cache/shard_codecs.py) writes exactly these tensors and bytes. Read by hand:
+    """The codec table (topkd/cache/format/shard_codecs.py) writes exactly these tensors and bytes. Read by hand:
     lp_scale 0x4200 is float16 3.0 (the smallest compander scale); packed row 0 holds ids 7, 2, 299 in 9-bit
     fields; rice-zstd's frames are rice's lp_scale, lp_codes, id_rem and unary bytes per sequence, zstd-framed."""
-    from topkd.cache.shard_codecs import CODECS
+    from topkd.cache.format.shard_codecs import CODECS
 
     arrays, _ = encode_shard(
         golden_sequences(),
@@ -166,7 +166,7 @@ def test_golden_version_4_shard_with_padding_entries(tmp_path):
     """Version 4 (rows of variable K, a sampled cache): version 3 plus padding entries. A padding entry's log-prob
     code is 255 (real codes stop at 254), its rice gap 0 after the row's real ids (sorted last), its packed id 0;
     it decodes to -inf, last in rank order, with the row's first id."""
-    from topkd.cache.shard import VARIABLE_K_VERSION
+    from topkd.cache.format.shard import VARIABLE_K_VERSION
 
     seqs = golden_sequences()
     seqs[0].logprobs = seqs[0].logprobs.copy()

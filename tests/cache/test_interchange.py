@@ -12,7 +12,7 @@ import torch
 
 from topkd import TopKDataset
 from topkd.cache import TopKCache
-from topkd.cache.interchange import axolotl_row, imported_sequence
+from topkd.cache.reading.interchange import axolotl_row, imported_sequence
 from topkd.cli import main
 
 
@@ -351,7 +351,7 @@ def test_bad_flags_are_refused_before_anything_runs(built_cache, teacher_dir, tm
 def test_a_dataset_written_one_position_shifted_is_refused():
     """Front-padded rows (row j = the distribution of token j) under Axolotl 0.18's pairing distil silently
     wrong; a teacher's top-1 gives it away: it is the current token, not the next one."""
-    from topkd.cache.interchange import check_alignment
+    from topkd.cache.reading.interchange import check_alignment
 
     tokens = [5, 6, 7, 8, 9, 5, 6, 7]
     right = {
@@ -373,9 +373,9 @@ def test_rows_padded_with_minus_inf_import_as_rows_of_variable_k(teacher_dir, tm
     such padding, import writes it as cache format 4 instead of failing on the repeated id."""
     from transformers import AutoTokenizer
 
-    from topkd.cache.interchange import _write_imported
-    from topkd.cache.manifest import build_hash
-    from topkd.cache.teacher import fingerprint
+    from topkd.cache.building.teacher import fingerprint
+    from topkd.cache.format.manifest import build_hash
+    from topkd.cache.reading.interchange import _write_imported
 
     row = {
         "input_ids": [5, 6, 7],

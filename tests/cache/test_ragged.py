@@ -1,4 +1,4 @@
-"""Cache format version 5 (topkd/cache/ragged.py): rows of variable K stored ragged, sampled targets as draw
+"""Cache format version 5 (topkd/cache/format/ragged.py): rows of variable K stored ragged, sampled targets as draw
 counts. Round trips against the padded rows, the bit-level pieces by hand, golden bytes, corrupt frames refused."""
 
 import hashlib
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from topkd.cache import codec, ragged
-from topkd.cache.shard import (
+from topkd.cache.format import codec, ragged
+from topkd.cache.format.shard import (
     RAGGED_VERSION,
     ShardReader,
     TeacherSequence,

@@ -159,8 +159,8 @@ def test_the_histograms_count_the_rows_that_train(built_cache, monkeypatch):
 
     import numpy as np
 
-    from topkd.cache.inspect import row_stats
-    from topkd.cache.shard import ShardReader
+    from topkd.cache.format.shard import ShardReader
+    from topkd.cache.reading.inspect import row_stats
 
     cache = TopKCache(built_cache)
     everything = row_stats(cache)
@@ -215,7 +215,7 @@ def test_shard_rows_that_disagree_with_the_manifest_are_refused(cache_copy):
 
 
 def test_only_a_bounded_number_of_shards_stay_open(built_cache, monkeypatch):
-    from topkd.cache import reader
+    from topkd.cache.reading import reader
 
     monkeypatch.setattr(reader, "OPEN_SHARDS", 2)
     cache = TopKCache(built_cache)

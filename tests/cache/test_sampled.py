@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import cache_config
 from topkd.cache import TopKCache, build
-from topkd.cache.engine_rows import EngineRows
-from topkd.cache.sampled import distinct_counts, head_sampled
+from topkd.cache.format.engine_rows import EngineRows
+from topkd.cache.format.sampled import distinct_counts, head_sampled
 
 
 def test_distinct_counts_by_hand():
@@ -159,7 +159,7 @@ def test_a_hybrid_cache_builds_and_trains(teacher_dir, text_file, tmp_path):
 
 
 def test_adaptive_rows_keep_the_fewest_entries_reaching_the_mass_by_hand():
-    from topkd.cache.adaptive import adaptive_rows
+    from topkd.cache.format.adaptive import adaptive_rows
 
     p = np.array([[0.6, 0.3, 0.05, 0.03]])
     rows = EngineRows(

@@ -1,4 +1,5 @@
-"""The table of target kinds (topkd/cache/targets.py): what each kind allows, and that nothing else asks its name.
+"""The table of target kinds (topkd/cache/format/targets.py): what each kind allows, and that nothing else asks its
+name.
 
 python -m pytest tests/cache/test_targets.py
 """
@@ -10,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from tests.test_target_kinds import KINDS as MATRIX_KINDS
-from topkd.cache.targets import TARGET_KINDS, kind_of_manifest, target_kind
+from topkd.cache.format.targets import TARGET_KINDS, kind_of_manifest, target_kind
 
 SRC = pathlib.Path(__file__).parents[2] / "src" / "topkd"
-TABLE = SRC / "cache" / "targets.py"
+TABLE = SRC / "cache" / "format" / "targets.py"
 
 
 def _kind_names_compared(tree: ast.AST) -> list[int]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from topkd.cache.teacher import head_topk
+from topkd.cache.building.teacher import head_topk
 
 
 def brute_force(h, w, b, k, temps, softcap):

@@ -15,7 +15,7 @@ import torch
 from tests.cache.tiny import make_teacher
 from tests.conftest import cache_config
 from topkd.cache import CacheError, TopKCache, build
-from topkd.cache.repair import build_lock
+from topkd.cache.building.repair import build_lock
 
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
 
@@ -134,7 +134,7 @@ def test_edited_manifest_settings_are_refused(cache_copy, edit):
 
 def test_edited_build_hash_is_refused_by_the_shards_themselves(cache_copy):
     """An attacker who recomputes the build hash after editing must also rewrite every shard's own bytes."""
-    from topkd.cache import manifest as mf
+    from topkd.cache.format import manifest as mf
 
     def edit(m):
         m["build"]["seq_len"] += 1
@@ -159,7 +159,7 @@ def test_shard_swapped_in_from_another_cache_or_position_is_refused(
         victim = os.path.join(cache_copy, "shards", "shard-00001.safetensors")
         shutil.copy(source, victim + ".new")
         os.replace(victim + ".new", victim)
-        from topkd.files import file_sha256
+        from topkd.base.files import file_sha256
 
         def edit(m):  # the attacker edits size and checksum into manifest and sidecar
             m["shards"][1].update(bytes=os.path.getsize(victim), sha256=file_sha256(victim))
@@ -436,7 +436,7 @@ def test_planted_links_never_make_the_build_write_outside_out(
 
 
 def test_write_atomic_never_writes_through_a_planted_temp_link(tmp_path):
-    from topkd.files import write_atomic
+    from topkd.base.files import write_atomic
 
     target = tmp_path / "target"
     target.write_text("keep me")

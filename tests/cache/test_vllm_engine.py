@@ -16,8 +16,8 @@ import torch
 
 from tests.conftest import cache_config
 from topkd.cache import TopKCache, build
-from topkd.cache.teacher import load_teacher
-from topkd.cache.vllm_engine import document_pieces, rows_from_prompt
+from topkd.cache.building.teacher import load_teacher
+from topkd.cache.building.vllm_engine import document_pieces, rows_from_prompt
 
 
 @dataclass
@@ -120,7 +120,7 @@ def test_vllm_build_holds_the_hf_engine_rows(fake_vllm, teacher_dir, documents_f
     assert llm.kwargs["max_logprobs"] == 8 and llm.kwargs["enable_prefix_caching"] is False
     hf, vl = TopKCache(str(tmp_path / "hf")), TopKCache(str(tmp_path / "vllm"))
     assert vl.fingerprint["engine"] == "vllm recorded" and len(hf) == len(vl)
-    # one fingerprint builder (topkd.cache.teacher.fingerprint)
+    # one fingerprint builder (topkd.cache.building.teacher.fingerprint)
     assert set(vl.fingerprint) == set(hf.fingerprint)
     same = (
         "tokenizer_sha256",

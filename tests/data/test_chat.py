@@ -145,8 +145,8 @@ def test_a_rewritten_row_mask_with_fixed_checksums_is_refused(chat_teacher, tmp_
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
+    from topkd.base.files import file_sha256
     from topkd.cache import CacheError
-    from topkd.files import file_sha256
 
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")

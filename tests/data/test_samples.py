@@ -115,7 +115,7 @@ def test_short_samples_are_padded_to_the_batch_longest_not_to_seq_len(built_cach
 def test_the_protocol_lists_every_member_and_both_sources_have_them(
     built_cache, teacher_dir, text_file
 ):
-    from topkd.cache.teacher import load_teacher
+    from topkd.cache.building.teacher import load_teacher
     from topkd.data.samples import SOURCE_MEMBERS, SequenceSource, missing_members
     from topkd.train.online import OnlineTeacher
 

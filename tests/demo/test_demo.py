@@ -7,7 +7,7 @@ import pytest
 
 from tests.assets import PLAYS, SMOLLM2, asset
 from tests.cache.tiny import make_chat_teacher, make_text
-from topkd.demo import DemoConfig, gap_closed, run_demo
+from topkd.demo.run import DemoConfig, gap_closed, run_demo
 
 
 def plays(tmp_path):

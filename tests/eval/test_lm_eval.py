@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from topkd.cache.teacher import load_teacher
+from topkd.cache.building.teacher import load_teacher
 from topkd.eval import EvalConfig
 from topkd.eval.choice import evaluate_choices, load_choice_file, score_item
 from topkd.eval.run import run_eval

@@ -10,7 +10,7 @@ import torch
 
 import topkd
 from tests.train.runs import config, losses
-from topkd.trace import OpTrace
+from topkd.base.trace import OpTrace
 from topkd.train import train
 from topkd.train.config import check_config
 

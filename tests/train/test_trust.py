@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.train.runs import cli_args, config, losses
-from topkd.files import file_sha256
+from topkd.base.files import file_sha256
 from topkd.train import checkpoint as ckpt
 from topkd.train import train
 from topkd.train.student import KDStudent
@@ -95,7 +95,7 @@ def test_a_resume_with_the_cache_spelled_another_way_continues(built_cache, tmp_
     content (its build hash), as cache build compares its inputs; another cache is still refused."""
     import shutil
 
-    from topkd.cache.manifest import build_hash
+    from topkd.cache.format.manifest import build_hash
     from topkd.train.config import _same_input
 
     monkeypatch.chdir(os.path.dirname(built_cache))

@@ -7,6 +7,8 @@ the teacher rows and kernel switch of a loss point, the cost model's prediction,
     from topkd.bench import run_json_lines, results_table, Column, predict_point, H200
 """
 
+from topkd.base.files import write_json_atomic
+from topkd.base.stamp import stamp
 from topkd.bench.common import (
     Column,
     out_of_memory,
@@ -18,8 +20,6 @@ from topkd.bench.common import (
 )
 from topkd.bench.model import H200, fused_kernels, predict_point
 from topkd.bench.point import peer_problem, teacher_rows
-from topkd.files import write_json_atomic
-from topkd.stamp import stamp
 
 __all__ = [
     "Column",

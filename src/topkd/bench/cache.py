@@ -26,17 +26,21 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from topkd.cache import codec
-from topkd.cache.build import build
-from topkd.cache.build_config import CacheBuildConfig
-from topkd.cache.engine_rows import EngineRows, teacher_sequence
-from topkd.cache.reader import TopKCache
-from topkd.cache.shard import CODECS, ShardReader, encode_shard, write_shard
-from topkd.cache.targets import TARGET_KINDS
-from topkd.cache.teacher import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
+from topkd.base.progress import track, wrote
+from topkd.base.stamp import stamp
+from topkd.cache import CacheBuildConfig, TopKCache, build
+from topkd.cache.building import HEAD_CHUNK_BYTES, head_topk, load_teacher, split_rows
+from topkd.cache.format import (
+    CODECS,
+    TARGET_KINDS,
+    EngineRows,
+    ShardReader,
+    codec,
+    encode_shard,
+    teacher_sequence,
+    write_shard,
+)
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
-from topkd.progress import track, wrote
-from topkd.stamp import stamp
 
 
 @dataclass

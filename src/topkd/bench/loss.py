@@ -18,6 +18,8 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+from topkd.base.progress import track, wrote
+from topkd.base.stamp import stamp
 from topkd.bench.common import (
     Column,
     plot_vs_length,
@@ -27,9 +29,7 @@ from topkd.bench.common import (
     skipped_after_oom,
 )
 from topkd.bench.point import KD_IMPLS, PEERS
-from topkd.loss.fused import DEFAULT_CHUNK_BYTES
-from topkd.progress import track, wrote
-from topkd.stamp import stamp
+from topkd.loss import DEFAULT_CHUNK_BYTES
 
 
 @dataclass

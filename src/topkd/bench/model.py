@@ -5,7 +5,7 @@
 `topkd bench model` (topkd/bench/model_command.py) runs it for predictions, and against this machine's
 `bench loss` with --calibrate (topkd/bench/calibrate.py).
 
-Each impl runs forward+backward once under topkd.trace.OpTrace: on meta tensors (shapes only, any
+Each impl runs forward+backward once under topkd.base.trace.OpTrace: on meta tensors (shapes only, any
 size, instant; the driver takes its GPU branches) for predictions, or on real CPU tensors for the
 calibration. Every op is priced as a roofline: a GEMM takes max(FLOPs / GEMM rate, bytes / bandwidth),
 any other op max(bytes / bandwidth, elements x its per-element cost), plus a fixed cost per op (a
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 import topkd
-from topkd.loss.api import KERNELS_ENV
-from topkd.trace import Op, OpTrace
+from topkd.base.trace import Op, OpTrace
+from topkd.loss import KERNELS_ENV
 
 
 @dataclass

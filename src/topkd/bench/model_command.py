@@ -144,8 +144,8 @@ def run_model_bench(cfg: ModelBenchConfig) -> dict:
     import json
     import os
 
-    from topkd.progress import wrote
-    from topkd.stamp import stamp
+    from topkd.base.progress import wrote
+    from topkd.base.stamp import stamp
 
     cfg = with_defaults(cfg)
     os.makedirs(cfg.out, exist_ok=True)

@@ -27,10 +27,9 @@ import time
 import torch
 
 import topkd
+from topkd.base.memory import reserved_peak_bytes, status_kib
 from topkd.bench.common import measured
-from topkd.loss.chunk import LossSpec
-from topkd.loss.fused import chunk_rows
-from topkd.memory import reserved_peak_bytes, status_kib
+from topkd.loss import chunk_rows
 
 KD_IMPLS = ("fused", "chunked", "dense")
 # Triton kernels (CUDA), and fused forced to its torch kernels where it would pick Triton: never in a CPU
@@ -209,7 +208,7 @@ def measure(
     inputs["x"].grad = inputs["w"].grad = None
     if phase == "memory":
         return row
-    chunk = chunk_rows(vocab, dtype, LossSpec(), False, device.type)
+    chunk = chunk_rows(vocab, dtype, device_type=device.type)
     floor = three_gemm_step(inputs["x"], inputs["w"], chunk)
     pairs = [
         (timed(floor, device), timed(lambda: _fresh_grads(step, inputs), device))

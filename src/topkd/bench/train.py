@@ -18,6 +18,8 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+from topkd.base.progress import progress, wrote
+from topkd.base.stamp import stamp
 from topkd.bench.common import (
     Column,
     plot_vs_length,
@@ -27,8 +29,6 @@ from topkd.bench.common import (
     skipped_after_oom,
 )
 from topkd.bench.train_point import SHAPES
-from topkd.progress import progress, wrote
-from topkd.stamp import stamp
 
 
 @dataclass

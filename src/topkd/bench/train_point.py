@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 import topkd
+from topkd.base.memory import status_kib
 from topkd.bench.common import measured, out_of_memory
 from topkd.bench.point import PeakMemory, teacher_rows
 from topkd.data.samples import SampleStream
 from topkd.loss import LossOptions
-from topkd.memory import status_kib
 from topkd.train.config import TrainConfig
 from topkd.train.loop import train_step
 from topkd.train.run import Run
@@ -269,14 +269,14 @@ def measure_loading(shape: str, tokens: int, size: int, layers: int, repeats: in
 
 def write_synthetic_cache(root: str, vocab: int, rows: int, n_seqs: int) -> None:
     """A real rice-zstd cache (the build's writer) holding synthetic teacher rows."""
-    from topkd.cache import manifest as mf
-    from topkd.cache.shard import (
+    from topkd.cache.format import (
         DEFAULT_CODEC,
         TeacherSequence,
         encode_shard,
         shard_facts,
         write_shard,
     )
+    from topkd.cache.format import manifest as mf
 
     os.makedirs(os.path.join(root, "shards"))
     seqs = []

@@ -7,7 +7,7 @@
 
 It imports nothing from the other topkd layers: a sequence source is anything with the methods
 SampleStream reads (topkd.data.samples.SequenceSource). Those samples of a cache as a torch Dataset are
-topkd.cache.dataset's TopKDataset (it opens a path as a TopKCache, so it sits in the cache layer).
+topkd.cache.reading.dataset's TopKDataset (it opens a path as a TopKCache, so it sits in the cache layer).
 """
 
 from topkd.data.samples import collate

@@ -35,7 +35,7 @@ class SequenceSource(Protocol):
     temperatures: list[float]  # the T whose c_T each row carries, one logz column each
     separator: int | None  # the token between packed documents
     targets: str  # the name of its kind of target: topk | sampled | topp
-    # what that kind stores and allows: a topkd.cache.targets.TargetKind (data sits below cache: not typed here)
+    # what that kind stores and allows: a topkd.cache.format.targets.TargetKind (data sits below cache: not typed here)
     target_kind: object
     teacher_dir: str  # where the teacher was loaded from
     tokens: int  # rows of all sequences

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from topkd.base.progress import track
 from topkd.data.documents import jsonl_records
 from topkd.eval.heads import head_stats
 from topkd.models import final_hidden, model_head
-from topkd.progress import track
 
 LETTERS = "ABCDEFGHIJ"
 

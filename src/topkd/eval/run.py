@@ -18,15 +18,15 @@ import os
 import random
 from dataclasses import asdict, dataclass, field
 
+from topkd.base.checks import require_device, require_dtype, require_ints, require_path
+from topkd.base.progress import wrote
 from topkd.cache import TopKCache
-from topkd.cache.compat import tokenizer_mismatch
-from topkd.checks import require_device, require_dtype, require_ints, require_path
+from topkd.cache.building.compat import tokenizer_mismatch
 from topkd.eval.choice import evaluate_choices, load_choice_file
 from topkd.eval.tail import reliability_plot
 from topkd.eval.text import evaluate_text
 from topkd.eval.vs_cache import evaluate_vs_cache
 from topkd.models import load_causal_lm
-from topkd.progress import wrote
 
 
 @dataclass

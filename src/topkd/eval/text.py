@@ -22,12 +22,12 @@ import math
 import numpy as np
 import torch
 
+from topkd.base.progress import track
 from topkd.data.chat import ChatDocument
 from topkd.data.documents import iter_documents, pack_sequences, position_ids, whole
 from topkd.eval.heads import head_stats, paired_divergences
 from topkd.eval.tail import calibration
 from topkd.models import final_hidden, model_head
-from topkd.progress import track
 
 
 @torch.no_grad()

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from topkd.base.progress import track
 from topkd.cache import TopKCache
 from topkd.data.samples import SampleStream
 from topkd.eval.heads import head_stats
 from topkd.loss import fused_linear_kd
 from topkd.loss.fold import fold_beyond
 from topkd.models import final_hidden, model_head
-from topkd.progress import track
 
 
 def acceptance_bound(

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from topkd.base.tiles import row_blocks
 from topkd.loss.divergences import DIVERGENCES, make_buckets, teacher_buckets
 from topkd.loss.options import LossOptions
-from topkd.tiles import row_blocks
 
 
 @dataclass(frozen=True)

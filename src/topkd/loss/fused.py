@@ -34,14 +34,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def chunk_rows(
     vocab: int,
     dtype: torch.dtype,
-    spec: LossSpec,
-    has_labels: bool,
+    spec: LossSpec | None = None,
+    has_labels: bool = False,
     device_type: str = "cpu",
     budget_bytes: int | None = None,
 ) -> int:
     """Rows per chunk so the chunk's [C, V] buffers fit the device's budget (CPU 256 MiB, GPU 1 GiB): the fp32
     logits (two with CE at T != 1) and, for bf16/fp16 inputs, the low-precision dL/dz the GEMMs read (plus,
     on a CPU, the GEMM's low-precision output). On a GPU rows are a multiple of 128."""
+    spec = spec or LossSpec()  # the plain loss: no CE term, T = 1, no softcap
     cdt, cpu = compute_dtype(dtype), device_type == "cpu"
     buffers = (2 if (has_labels and spec.temperature != 1.0) else 1) + (1 if spec.softcap else 0)
     per_row = vocab * buffers * torch.finfo(cdt).bits // 8

@@ -24,7 +24,7 @@ from torch import Tensor
 # PEP 440 comparisons of any version string (not only torch's)
 from torch.torch_version import TorchVersion
 
-from topkd import trace
+from topkd.base import trace
 from topkd.loss.chunk import Kernels
 
 try:

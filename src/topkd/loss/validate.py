@@ -12,8 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from topkd.base.rows import check_values  # noqa: F401  (the teacher rows' value checks: one home, shared with import)
 from topkd.loss.divergences import DIVERGENCES, TAILS
-from topkd.rows import check_values  # noqa: F401  (the teacher rows' value checks: one home, shared with import)
 
 IMPLS = ("fused", "chunked", "dense", "triton")
 REDUCTIONS = ("mean", "sum", "none")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from topkd.dist import collective_device
+from topkd.base.dist import collective_device
 from topkd.loss.chunk import VocabShard
 
 

@@ -30,8 +30,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from topkd import dist
-from topkd.files import file_sha256, fsync_path, write_atomic
+from topkd.base import dist
+from topkd.base.files import file_sha256, fsync_path, write_atomic
 
 KEEP = 2
 STATE_FILE = "train_state.json"

@@ -6,11 +6,11 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from topkd import dist
-from topkd.checks import require_device, require_ints, require_path
+from topkd.base import dist
+from topkd.base.checks import require_device, require_ints, require_path
+from topkd.base.files import write_json_atomic
 from topkd.data.chat import check_train_on
 from topkd.data.samples import PACKINGS
-from topkd.files import write_json_atomic
 from topkd.loss.options import LossOptions
 from topkd.train.report import require_reporter
 
@@ -169,7 +169,7 @@ def _same_input(key: str, value):
     """A setting as resuming compares it: inputs by what they are, not how they were spelled (./caches/A, an
     absolute path, a symlink): a cache by its build hash, other paths by their real path."""
     if key == "cache" and value and os.path.isdir(value):
-        from topkd.cache import manifest as mf
+        from topkd.cache.format import manifest as mf
 
         try:
             return "cache build " + mf.load_manifest(value)["build_hash"]

@@ -26,13 +26,13 @@ from dataclasses import asdict
 
 import torch
 
-from topkd import dist
+from topkd.base import dist
+from topkd.base.files import exclusive_lock
+from topkd.base.memory import process_peak_bytes, reserved_peak_bytes
+from topkd.base.progress import progress
+from topkd.base.signals import Interrupted, stop_requests
 from topkd.data.samples import SampleStream, count_tokens
-from topkd.files import exclusive_lock
 from topkd.loss import loss_parts
-from topkd.memory import process_peak_bytes, reserved_peak_bytes
-from topkd.progress import progress
-from topkd.signals import Interrupted, stop_requests
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_config, check_paths, check_resume
 from topkd.train.parallel import scalar

@@ -18,10 +18,10 @@ import itertools
 import numpy as np
 import torch
 
-from topkd.cache.compat import check_student_fits
-from topkd.cache.engine_rows import EngineRows
-from topkd.cache.targets import TOPK, TargetKind
-from topkd.cache.teacher import Teacher, tokenizer_hash
+from topkd.cache.building.compat import check_student_fits
+from topkd.cache.building.teacher import Teacher, tokenizer_hash
+from topkd.cache.format.engine_rows import EngineRows
+from topkd.cache.format.targets import TOPK, TargetKind
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
 from topkd.models import model_head, soft_cap
 

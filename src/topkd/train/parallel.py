@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from topkd import dist
+from topkd.base import dist
 
 
 def shard_student(module: nn.Module, bf16: bool = False) -> nn.Module:

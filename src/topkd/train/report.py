@@ -18,7 +18,7 @@ import os
 import secrets
 from typing import Protocol
 
-from topkd.files import write_atomic
+from topkd.base.files import write_atomic
 
 REPORTERS = ("none", "tensorboard", "wandb")
 PACKAGES = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0"}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from topkd import dist
+from topkd.base import dist
 from topkd.data.samples import SampleStream, logz_column
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_paths, loss_options

@@ -9,7 +9,7 @@ Both kinds are a topkd.data.samples.SequenceSource.
 from __future__ import annotations
 
 from topkd.cache import TopKCache
-from topkd.cache.teacher import load_teacher
+from topkd.cache.building.teacher import load_teacher
 from topkd.data.samples import SequenceSource
 from topkd.train.config import TrainConfig, loss_options
 from topkd.train.online import OnlineTeacher
@@ -61,7 +61,7 @@ def check_source(cfg: TrainConfig, source: SequenceSource) -> None:
 
 
 def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
-    """What the source's kind of target can train with (topkd/cache/targets.py): sampled rows (count / N of N
+    """What the source's kind of target can train with (topkd/cache/format/targets.py): sampled rows (count / N of N
     draws, no tail) only a forward divergence at T = 1."""
     problem = source.target_kind.training_problem(cfg.divergence, cfg.temperature, cfg.top_k)
     if problem:

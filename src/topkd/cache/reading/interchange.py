@@ -38,15 +38,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from topkd.cache import manifest as mf
-from topkd.cache.compat import save_teacher_tokenizer
-from topkd.cache.dataset import TopKDataset
-from topkd.cache.reader import TopKCache
-from topkd.cache.shard import DEFAULT_CODEC, TeacherSequence, encode_shard, shard_facts, write_shard
-from topkd.cache.teacher import fingerprint
-from topkd.checks import require_ints, require_path
-from topkd.files import file_sha256, write_json_atomic
-from topkd.rows import check_values
+from topkd.base.checks import require_ints, require_path
+from topkd.base.files import file_sha256, write_json_atomic
+from topkd.base.rows import check_values
+from topkd.cache.building.compat import save_teacher_tokenizer
+from topkd.cache.building.teacher import fingerprint
+from topkd.cache.format import manifest as mf
+from topkd.cache.format.shard import (
+    DEFAULT_CODEC,
+    TeacherSequence,
+    encode_shard,
+    shard_facts,
+    write_shard,
+)
+from topkd.cache.reading.dataset import TopKDataset
+from topkd.cache.reading.reader import TopKCache
 
 FORMATS = ("axolotl",)
 

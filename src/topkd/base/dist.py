@@ -1,7 +1,7 @@
 """torch.distributed in one place: the same code runs as one plain process or under torchrun.
 
-    rank, world = topkd.dist.init("cpu")      # (0, 1) without torchrun; gloo on CPU, nccl on CUDA
-    tokens = topkd.dist.all_sum(local_tokens)
+    rank, world = topkd.base.dist.init("cpu")      # (0, 1) without torchrun; gloo on CPU, nccl on CUDA
+    tokens = topkd.base.dist.all_sum(local_tokens)
 
 Every helper is a no-op (returns its input) when there is one process, so callers never branch.
 """

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 
-from topkd.cache.shard import CODECS, READABLE_VERSIONS, read_meta, read_row_counts
-from topkd.files import file_sha256, json_sha256, write_json_atomic
+from topkd.base.files import file_sha256, json_sha256, write_json_atomic
+from topkd.cache.format.shard import CODECS, READABLE_VERSIONS, read_meta, read_row_counts
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "topkd-topk-cache"

@@ -8,14 +8,14 @@ to -inf, last in rank order, their id the row's first (never read); the rice cod
 
 Adding a codec is one class here (and its section in docs/cache-format.md, and its golden bytes in
 tests/cache/test_golden.py); shard.py and reader.py only look codecs up. The bit-level pieces
-(packing, Rice coding, log-prob companding) are in topkd/cache/codec.py.
+(packing, Rice coding, log-prob companding) are in topkd/cache/format/codec.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from topkd.cache import codec, ragged
+from topkd.cache.format import codec, ragged
 
 # zstd level of the rice-zstd frames: 3 is within 3% of level 19 on these bytes, and fast
 ZSTD_LEVEL = 3
@@ -113,7 +113,9 @@ class RiceZstd(Rice):
 
     name = "rice-zstd"
     tensors = frozenset({"zstd_frames", "frame_offsets"})
-    stores_ragged = True  # rows of variable K: only their real entries (version 5, cache/ragged.py)
+    stores_ragged = (
+        True  # rows of variable K: only their real entries (version 5, cache/format/ragged.py)
+    )
 
     def encode(
         self, ids, logprobs, scales, rows, vocab, padding=None, samples=None, ragged_rows=False

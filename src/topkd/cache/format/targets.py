@@ -5,10 +5,10 @@
     kind.training_problem("reverse_kl", 1.0, 0)  # why it cannot train so, or None
     kind.export_refusal                          # why the Axolotl format cannot hold it, or ""
 
-One entry per kind, as ENGINES (topkd/cache/engines.py) and CODECS (topkd/cache/shard_codecs.py): the build,
-`cache inspect`, `cache export`, `topkd train` and KDTrainer ask this table what a kind stores and allows, never
-which kind it is (tests/cache/test_targets.py checks that no other module compares a kind's name). A new kind
-(on-policy rows, cross-tokenizer rows) is a new entry here.
+One entry per kind, as ENGINES (topkd/cache/building/engines.py) and CODECS (topkd/cache/format/shard_codecs.py):
+the build, `cache inspect`, `cache export`, `topkd train` and KDTrainer ask this table what a kind stores and
+allows, never which kind it is (tests/cache/test_targets.py checks that no other module compares a kind's
+name). A new kind (on-policy rows, cross-tokenizer rows) is a new entry here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from topkd.cache.adaptive import adaptive_rows
+from topkd.cache.format.adaptive import adaptive_rows
 
 # divergences whose estimate from count / N rows (zero off the drawn ids) is unbiased at T = 1
 UNBIASED_FROM_DRAWS = ("kl", "jsd", "tvd")

@@ -4,7 +4,7 @@
     rows = teacher.topk_rows(input_ids, k=100, temperatures=(2.0,))
     per_sequence = teacher.sequence_rows(sequences, k=100, temperatures=(), batch_size=8)   # TeacherEngine
 
-Every engine (this one, and vLLM in topkd/cache/vllm_engine.py) is a TeacherEngine: sequence_rows for
+Every engine (this one, and vLLM in topkd/cache/building/vllm_engine.py) is a TeacherEngine: sequence_rows for
 packed sequences and a fingerprint built by `fingerprint()` here, so the cache build never asks which.
 
 The body runs to the final hidden states; the lm_head then runs over token chunks in fp32
@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from topkd.cache.engine_rows import EngineRows
-from topkd.cache.sampled import Sampler
+from topkd.base.files import json_sha256
+from topkd.base.tiles import row_blocks
+from topkd.base.version import __version__
+from topkd.cache.format.engine_rows import EngineRows
+from topkd.cache.format.sampled import Sampler
 from topkd.data.documents import position_ids
-from topkd.files import json_sha256
 from topkd.models import final_hidden, load_causal_lm, logit_chunks
-from topkd.tiles import row_blocks
-from topkd.version import __version__
 
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one lm_head chunk
 ALIGNMENT = "row t holds p(x_{t+1} | x_<=t)"
@@ -119,7 +119,7 @@ class Teacher:
         sampler: Sampler | None = None,
     ) -> EngineRows:
         """[B, L] token ids -> the rows of every token (flattened B*L). With a sampler
-        (--targets sampled), its rows instead of the top-k (topkd/cache/sampled.py)."""
+        (--targets sampled), its rows instead of the top-k (topkd/cache/format/sampled.py)."""
         h = self.hidden_states(input_ids, position_ids)
         weight, bias = self.head_fp32
         softcap = getattr(self.model.config, "final_logit_softcapping", None)

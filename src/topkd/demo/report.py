@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from topkd.demo_chat import chat_lines
-from topkd.progress import wrote
+from topkd.base.progress import wrote
+from topkd.demo.chat import chat_lines
 
 MODELS = ("teacher", "student-init", "student-kd", "student-sampled", "student-ce")
 TRAINED = ("student-kd", "student-sampled", "student-ce")

@@ -19,10 +19,14 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from topkd.cache import manifest as mf
-from topkd.cache.compat import check_student_fits, load_teacher_tokenizer, tokenizer_problems
-from topkd.cache.shard import ShardReader, expected_tensors, read_row_counts
-from topkd.cache.targets import TargetKind, kind_of_manifest
+from topkd.cache.building.compat import (
+    check_student_fits,
+    load_teacher_tokenizer,
+    tokenizer_problems,
+)
+from topkd.cache.format import manifest as mf
+from topkd.cache.format.shard import ShardReader, expected_tensors, read_row_counts
+from topkd.cache.format.targets import TargetKind, kind_of_manifest
 
 OPEN_SHARDS = 64
 # one row per token
@@ -66,12 +70,12 @@ class TopKCache:
 
     @property
     def targets(self) -> str:
-        """The name of the kind of target its rows hold (topkd/cache/targets.py): topk, sampled or topp."""
+        """The name of the kind of target its rows hold (topkd/cache/format/targets.py): topk, sampled or topp."""
         return self.target_kind.name
 
     @property
     def target_kind(self) -> TargetKind:
-        """What its rows hold and allow (topkd/cache/targets.py)."""
+        """What its rows hold and allow (topkd/cache/format/targets.py)."""
         return kind_of_manifest(self.manifest["build"])
 
     @property
@@ -84,7 +88,7 @@ class TopKCache:
         in the dtype it was built with, and only if its weights, config and tokenizer still hash as the
         fingerprint says: a teacher directory overwritten after the build (a re-download into the same folder)
         is refused, never copied into a student."""
-        from topkd.cache.teacher import identity_problem, load_teacher
+        from topkd.cache.building.teacher import identity_problem, load_teacher
 
         teacher = load_teacher(self.teacher_dir, str(self.fingerprint.get("dtype", "float32")))
         problem = identity_problem(teacher, self.fingerprint)

@@ -20,9 +20,9 @@ import os
 import shutil
 import tempfile
 
-from topkd.cache import manifest as mf
-from topkd.cache.teacher import tokenizer_hash
-from topkd.files import refuse_links
+from topkd.base.files import refuse_links
+from topkd.cache.building.teacher import tokenizer_hash
+from topkd.cache.format import manifest as mf
 
 PROBE = (
     "The quick brown fox jumps over the lazy dog. 1234567890 + 3.14159 = x;\n"

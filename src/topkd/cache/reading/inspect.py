@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from topkd.cache.reader import TopKCache
-from topkd.progress import track, wrote
+from topkd.base.progress import track, wrote
+from topkd.cache.reading.reader import TopKCache
 
 MASS_BINS = np.array([0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0])
 

@@ -6,7 +6,7 @@
 
 Row t holds p(x_{t+1} | x_<=t). Every array has one entry per token; the K columns are in rank order (descending
 log-prob), entries with log-prob -inf are padding (variable K). The shard encoder takes them with their sequence
-(teacher_sequence: topkd.cache.shard.TeacherSequence).
+(teacher_sequence: topkd.cache.format.shard.TeacherSequence).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from topkd.cache.shard import TeacherSequence
+from topkd.cache.format.shard import TeacherSequence
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 tempered mass is <= 1, labels in range. An entry whose log-prob is -inf is padding (rows of variable K: a
 sampled or adaptive cache): it carries no mass, its id may be anything, and each row needs one real entry.
 One home for these checks: the loss runs them on the counted tokens of
-every batch (topkd/loss/validate.py), `topkd cache import` on every row it reads (topkd/cache/interchange.py).
+every batch (topkd/loss/validate.py), `topkd cache import` on every row it reads (topkd/cache/reading/interchange.py).
 
     check_values(ids, logprobs, logz, labels, vocab, tail="bucket", temperature=1.0)   # ValueError naming the fix
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from topkd.cache import codec
+from topkd.cache.format import codec
 
 ZSTD_LEVEL = 3
 

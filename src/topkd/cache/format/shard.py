@@ -17,13 +17,13 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save
 
-from topkd.cache import codec, shard_codecs
-from topkd.files import write_atomic
+from topkd.base.files import write_atomic
+from topkd.cache.format import codec, shard_codecs
 
 # Format versions. 2: per-token compander scale, exact tempered head mass, shard identity in meta_json. 3: a per-row
 # loss mask (row_mask, chat data); a shard without row_mask is written as version 2, byte for byte as before.
 # 4: rows of variable K (sampled targets): version 3 plus padding entries (log-prob code 255, decoded -inf).
-# 5: rows of variable K stored ragged (rice-zstd: cache/ragged.py), sampled targets as draw counts.
+# 5: rows of variable K stored ragged (rice-zstd: cache/format/ragged.py), sampled targets as draw counts.
 # Earlier versions still open.
 FORMAT_VERSION = 3
 UNMASKED_VERSION = 2
@@ -244,7 +244,9 @@ class ShardReader:
         self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
         # padding entries
         self.variable_k = int(self.meta.get("format_version", 2)) >= VARIABLE_K_VERSION
-        self.ragged = int(self.meta.get("format_version", 2)) >= RAGGED_VERSION  # cache/ragged.py
+        self.ragged = (
+            int(self.meta.get("format_version", 2)) >= RAGGED_VERSION
+        )  # cache/format/ragged.py
         self.samples = int(self.meta["samples"]) if self.meta.get("values") == "counts" else None
         self.rice_table = (
             [int(b) for b in self.meta["rice_b_table"].split(",")] if self.ragged else []

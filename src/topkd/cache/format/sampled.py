@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from topkd.cache.engine_rows import EngineRows
+from topkd.cache.format.engine_rows import EngineRows
 from topkd.models import logit_chunks
 
 HEAD_CHUNK_BYTES = 64 * 2**20

@@ -15,9 +15,9 @@ import contextlib
 import glob
 import os
 
-from topkd.cache import manifest as mf
-from topkd.cache.compat import tokenizer_problems
-from topkd.files import exclusive_lock
+from topkd.base.files import exclusive_lock
+from topkd.cache.building.compat import tokenizer_problems
+from topkd.cache.format import manifest as mf
 
 
 def remove_stale_temps(out: str, j: int) -> None:

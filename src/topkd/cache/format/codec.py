@@ -6,7 +6,7 @@ and tests/cache/test_codec.py pins it. Two id codecs:
 - "packed": each id in ceil(log2 V) bits, in the teacher's rank order (descending log-prob).
   Fixed bytes per token; any V up to 2^32.
 - "rice" (and "rice-zstd", the default: the same bytes in one zstd frame per sequence; the codec table is
-  topkd/cache/shard_codecs.py): ids sorted ascending, gaps g_0 = id_0, g_i = id_i - id_{i-1} - 1 Rice-coded
+  topkd/cache/format/shard_codecs.py): ids sorted ascending, gaps g_0 = id_0, g_i = id_i - id_{i-1} - 1 Rice-coded
   with one parameter b per shard: the low b bits of each gap bit-packed at a fixed width, the
   high part (g >> b) in unary (that many 1 bits, then a 0) in a per-sequence bit stream.
   Top-K ids of real teachers cluster (frequent tokens, similar tokens), so gaps are small.

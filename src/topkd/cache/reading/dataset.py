@@ -1,6 +1,6 @@
 """TopKDataset and EpochSampler: topkd's training samples of a cache as a map-style torch Dataset, for any trainer.
 
-    from topkd import EpochSampler, TopKDataset, collate     # (homes: topkd.cache.dataset, topkd.data.samples)
+    from topkd import EpochSampler, TopKDataset, collate     # (homes: topkd.cache.reading.dataset, topkd.data.samples)
 
     data = TopKDataset("runs/cache", seq_len=2048, seed=0)        # a path or a TopKCache; temperature=T: tempered KD
     sampler = EpochSampler(data)                                              # sampler.set_epoch(e) per epoch
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from topkd.cache.reader import TopKCache
+from topkd.cache.reading.reader import TopKCache
 from topkd.data.samples import SampleStream, SequenceSource, logz_column, missing_members
 
 __all__ = ["EpochSampler", "TopKDataset"]

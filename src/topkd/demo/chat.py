@@ -15,9 +15,9 @@ import os
 import random
 import re
 
+from topkd.base.files import write_atomic
 from topkd.cache import CacheBuildConfig, TopKCache, build
 from topkd.eval.run import EvalConfig, run_eval
-from topkd.files import write_atomic
 from topkd.train import TrainConfig, train
 
 __all__ = [

@@ -3,7 +3,7 @@
     engine = ENGINES["hf"]
     teacher = engine.load("MODEL_DIR", dtype="bfloat16", device="cuda:0", k=100, tensor_parallel=1, seq_len=2048)
 
-Every engine returns a TeacherEngine (topkd.cache.teacher): the build asks this table what an engine can do,
+Every engine returns a TeacherEngine (topkd.cache.building.teacher): the build asks this table what an engine can do,
 never which engine it is.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from topkd.cache.teacher import TeacherEngine, load_teacher
-from topkd.cache.vllm_engine import VLLMTeacher
+from topkd.cache.building.teacher import TeacherEngine, load_teacher
+from topkd.cache.building.vllm_engine import VLLMTeacher
 
 
 @dataclass(frozen=True)

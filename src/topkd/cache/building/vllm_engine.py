@@ -31,9 +31,9 @@ import os
 
 import numpy as np
 
-from topkd.cache.engine_rows import EngineRows
-from topkd.cache.teacher import fingerprint
-from topkd.files import json_file_sha256
+from topkd.base.files import json_file_sha256
+from topkd.cache.building.teacher import fingerprint
+from topkd.cache.format.engine_rows import EngineRows
 
 TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
 

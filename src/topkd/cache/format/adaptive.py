@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from topkd.cache.engine_rows import EngineRows
+from topkd.cache.format.engine_rows import EngineRows
 
 
 def adaptive_rows(

@@ -10,7 +10,7 @@ Shakespeare's plays, and a top-K cache over held-out Hamlet; a student cut from 
 fused KD loss on each cache, and the same student trained with cross entropy only on the same tokens; then
 teacher, untrained student and the three students scored on held-out Hamlet (bits per byte, full-vocabulary KL
 to the live teacher, and "gap closed": the share of the CE student's gap to the teacher in bits per byte that a
-KD student closes) and against the held-out cache (top-1 agreement); then the chat step (topkd.demo_chat):
+KD student closes) and against the held-out cache (top-1 agreement); then the chat step (topkd.demo.chat):
 a chat set made from the plays, distilled with assistant-only targets, KD vs CE scored on held-out
 assistant tokens. Writes report.txt, report.json and demo.png in --out.
 """
@@ -25,12 +25,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from topkd.base.stamp import stamp
 from topkd.cache import TopKCache
-from topkd.cache.teacher import load_teacher
-from topkd.demo_chat import STUDENTS, cache_step, models_to_score, run_chat_step, train_students
-from topkd.demo_report import write_report
+from topkd.cache.building.teacher import load_teacher
+from topkd.demo.chat import STUDENTS, cache_step, models_to_score, run_chat_step, train_students
+from topkd.demo.report import write_report
 from topkd.eval.run import EvalConfig, run_eval
-from topkd.stamp import stamp
 from topkd.train.student import cut_layers
 
 HELD_OUT = "hamlet_gut.txt"

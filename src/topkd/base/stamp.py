@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-from topkd.version import __version__
+from topkd.base.version import __version__
 
 
 def _cpu_model() -> str:

@@ -3,7 +3,7 @@
     cfg = CacheBuildConfig(teacher="MODEL_DIR", data=["a.txt"], out="CACHE", k=100)
     check_config(cfg)          # one clear line for each setting that cannot work, before a teacher loads
 
-The build itself is topkd/cache/build.py; the teacher engines --engine names, topkd/cache/engines.py.
+The build itself is topkd/cache/building/build.py; the teacher engines --engine names, topkd/cache/building/engines.py.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from topkd.cache.engines import ENGINES
-from topkd.cache.shard import CODECS, DEFAULT_CODEC
-from topkd.cache.targets import TARGET_KINDS, target_kind
-from topkd.checks import require_device, require_dtype, require_ints, require_path
+from topkd.base.checks import require_device, require_dtype, require_ints, require_path
+from topkd.cache.building.engines import ENGINES
+from topkd.cache.format.shard import CODECS, DEFAULT_CODEC
+from topkd.cache.format.targets import TARGET_KINDS, target_kind
 from topkd.data.chat import check_train_on
 from topkd.data.documents import check_paths
 from topkd.models import model_positions
@@ -129,7 +129,7 @@ def _check_targets(cfg: CacheBuildConfig) -> None:
 
 
 def _check_engine(cfg: CacheBuildConfig) -> None:
-    """What the chosen engine can do (topkd/cache/engines.py) against what the settings ask of it."""
+    """What the chosen engine can do (topkd/cache/building/engines.py) against what the settings ask of it."""
     if cfg.engine not in ENGINES:
         raise ValueError(f"engine: expected one of {' | '.join(ENGINES)}, got {cfg.engine!r}")
     engine = ENGINES[cfg.engine]

@@ -18,22 +18,27 @@ from dataclasses import asdict
 
 import torch
 
-from topkd import dist
-from topkd.cache import manifest as mf
-from topkd.cache.build_config import CacheBuildConfig, check_config, check_positions, row_width
-from topkd.cache.compat import TOKENIZER_DIR, save_teacher_tokenizer
-from topkd.cache.engine_rows import EngineRows, teacher_sequence
-from topkd.cache.engines import ENGINES
-from topkd.cache.repair import build_lock, check_or_repair, finished, remove_stale_temps
-from topkd.cache.sampled import Sampler, sampling_seed
-from topkd.cache.shard import encode_shard, shard_facts, write_shard
-from topkd.cache.targets import target_kind
-from topkd.cache.teacher import TeacherEngine
+from topkd.base import dist
+from topkd.base.files import file_sha256, refuse_links
+from topkd.base.progress import count, progress, skipped
+from topkd.base.signals import Interrupted
+from topkd.cache.building.build_config import (
+    CacheBuildConfig,
+    check_config,
+    check_positions,
+    row_width,
+)
+from topkd.cache.building.compat import TOKENIZER_DIR, save_teacher_tokenizer
+from topkd.cache.building.engines import ENGINES
+from topkd.cache.building.repair import build_lock, check_or_repair, finished, remove_stale_temps
+from topkd.cache.building.teacher import TeacherEngine
+from topkd.cache.format import manifest as mf
+from topkd.cache.format.engine_rows import EngineRows, teacher_sequence
+from topkd.cache.format.sampled import Sampler, sampling_seed
+from topkd.cache.format.shard import encode_shard, shard_facts, write_shard
+from topkd.cache.format.targets import target_kind
 from topkd.data.chat import check_chat_tokenizer
 from topkd.data.documents import chat_roles, iter_documents, pack_sequences
-from topkd.files import file_sha256, refuse_links
-from topkd.progress import count, progress, skipped
-from topkd.signals import Interrupted
 
 
 def build(cfg: CacheBuildConfig) -> dict:

@@ -3,7 +3,7 @@
     for a, b in row_blocks(z):      # ~1 MiB of rows each on a CPU; the whole block on a GPU
         z[a:b].sub_(m[a:b]).exp_()
 
-Shared by the loss's chunk math (topkd/loss/chunk.py) and the teacher's top-K pass (topkd/cache/teacher.py):
+Shared by the loss's chunk math (topkd/loss/chunk.py) and the teacher's top-K pass (topkd/cache/building/teacher.py):
 a neutral home, so neither layer imports the other.
 """
 
