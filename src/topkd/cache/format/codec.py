@@ -80,6 +80,9 @@ def id_gaps(sorted_ids: np.ndarray) -> np.ndarray:
     return gaps
 
 
+MAX_RICE_PARAMETER = 32  # a gap is below V < 2^32: no larger parameter is ever best
+
+
 def best_rice_parameter(gaps: np.ndarray) -> int:
     """The b minimising the exact Rice size sum((g >> b) + 1 + b) over these gaps."""
     if gaps.size == 0:

@@ -139,6 +139,11 @@ def _frame_parts(reader, j: int, n: int) -> tuple[np.ndarray | None, ...]:
         .astype(np.int64)
     )
     entries = int(widths.sum())
+    # every row keeps at least its top entry (top-p: --min-k >= 1; draws: N >= 1)
+    if widths.size and widths.min() < 1:
+        raise ValueError(
+            f"{where}: row {int(np.argmin(widths))} holds no entry; the shard is corrupt"
+        )
     if widths.size and widths.max() > reader.k:
         raise ValueError(
             f"{where}: a row holds {int(widths.max())} entries, more than K={reader.k}; the shard is "

@@ -231,6 +231,14 @@ def read_row_counts(path: str) -> tuple[int, int]:
     return rows, counted
 
 
+# a per-sequence offsets tensor -> the stream it cuts
+OFFSET_STREAMS = {"frame_offsets": "zstd_frames", "unary_offsets": "id_unary"}
+
+
+class ShardError(ValueError):
+    """A shard whose header or rows do not parse as its format says: corrupt, or rewritten by hand."""
+
+
 class ShardReader:
     """Lazy, memory-mapped access to one shard; re-opens itself after a fork (DataLoader workers)."""
 
@@ -238,27 +246,45 @@ class ShardReader:
         self.path = path
         self._pid, self._file = None, None
         f = self._handle()
-        self.meta = json.loads(f.get_tensor("meta_json").tobytes())
+        try:
+            self.meta = json.loads(f.get_tensor("meta_json").tobytes())
+            self._parse_meta(self.meta)
+        except (KeyError, ValueError, TypeError, AttributeError) as err:
+            # a damaged or hand-edited header: one line, never a bare KeyError from deep inside a decode
+            what = f"no {err} key" if isinstance(err, KeyError) else str(err)
+            raise ShardError(f"{path}: its metadata does not parse ({what})") from None
         self.names = set(f.keys()) - {"meta_json"}
         self.seq_rows = f.get_tensor("seq_rows")
-        self.k, self.codec = int(self.meta["k"]), self.meta["codec"]
-        # padding entries
-        self.variable_k = int(self.meta.get("format_version", 2)) >= VARIABLE_K_VERSION
-        self.ragged = (
-            int(self.meta.get("format_version", 2)) >= RAGGED_VERSION
-        )  # cache/format/ragged.py
-        self.samples = int(self.meta["samples"]) if self.meta.get("values") == "counts" else None
-        self.rice_table = (
-            [int(b) for b in self.meta["rice_b_table"].split(",")] if self.ragged else []
-        )
-        self.id_codec = shard_codecs.lookup(self.codec, f"{path}: codec")
-        self.temperatures = [float(t) for t in json.loads(self.meta.get("temperatures", "[]"))]
         self._offsets: dict[str, np.ndarray] = {}
         self.seq_source, self.seq_token_offset = (
             f.get_tensor("seq_source"),
             f.get_tensor("seq_token_offset"),
         )
         self.doc_starts = f.get_tensor("doc_starts")
+
+    def _parse_meta(self, meta: dict) -> None:
+        """Every header field a decode reads, parsed once here: a missing or malformed one fails now."""
+        self.k, self.codec, self.vocab = int(meta["k"]), meta["codec"], int(meta["vocab"])
+        version = int(meta.get("format_version", 2))
+        self.variable_k = version >= VARIABLE_K_VERSION  # padding entries
+        self.ragged = version >= RAGGED_VERSION  # cache/format/ragged.py
+        self.samples = int(meta["samples"]) if meta.get("values") == "counts" else None
+        self.id_codec = shard_codecs.lookup(self.codec, "codec")
+        self.rice_table = [int(b) for b in meta["rice_b_table"].split(",")] if self.ragged else []
+        if self.ragged and (
+            len(self.rice_table) != codec.context_count(self.k)
+            or not all(0 <= b <= codec.MAX_RICE_PARAMETER for b in self.rice_table)
+        ):
+            raise ValueError(
+                f"rice_b_table: expected {codec.context_count(self.k)} parameters in "
+                f"0..{codec.MAX_RICE_PARAMETER} for K={self.k}, got {meta['rice_b_table']!r}"
+            )
+        if not self.ragged:
+            for key in self.id_codec.meta_keys:
+                int(meta[key])
+        if self.samples is not None and not 1 <= self.samples <= 255:
+            raise ValueError(f"samples: expected 1..255, got {self.samples}")
+        self.temperatures = [float(t) for t in json.loads(meta.get("temperatures", "[]"))]
 
     def _handle(self):
         if self._pid != os.getpid():
@@ -278,9 +304,22 @@ class ShardReader:
         return self._handle().get_tensor(name)
 
     def offsets(self, name: str) -> np.ndarray:
-        """A small per-sequence offsets tensor (unary_offsets, frame_offsets), read once."""
+        """A small per-sequence offsets tensor (unary_offsets, frame_offsets), read and checked once: one entry
+        per sequence and one more, from 0, never decreasing, ending at the size of the stream it cuts."""
         if name not in self._offsets:
-            self._offsets[name] = self.tensor(name)
+            offsets = self.tensor(name).astype(np.int64)
+            end = self.shape(OFFSET_STREAMS[name])[0]
+            if (
+                offsets.shape != (len(self) + 1,)
+                or offsets[0] != 0
+                or (np.diff(offsets) < 0).any()
+                or offsets[-1] != end
+            ):
+                raise ShardError(
+                    f"{self.path}: {name} must rise from 0 to {end} (the size of {OFFSET_STREAMS[name]}) "
+                    f"in {len(self) + 1} steps; got {offsets[:6].tolist()}...; the shard is corrupt"
+                )
+            self._offsets[name] = offsets
         return self._offsets[name]
 
     def sequence(self, j: int) -> TeacherSequence:
@@ -288,6 +327,7 @@ class ShardReader:
         a, e = int(self.seq_rows[j]), int(self.seq_rows[j + 1])
         scalars = self._scalars(a, e)
         ids, logprobs = self.id_codec.decode(self, j, a, e, scalars["log_mass"])
+        self._check_rows(j, ids, logprobs)
         starts = self.doc_starts[(self.doc_starts >= a) & (self.doc_starts < e)] - a
         return TeacherSequence(
             input_ids=self.rows("input_ids", a, e).astype(np.int64),
@@ -302,6 +342,23 @@ class ShardReader:
             log_mass_t=scalars["log_mass_t"],
             row_mask=self.rows("row_mask", a, e).astype(bool) if "row_mask" in self.names else None,
         )
+
+    def _check_rows(self, j: int, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        """What every decoded row must be, checked as it leaves the decoder (a shard rewritten with matching
+        checksums reaches here): at least one real entry, no NaN, ids in [0, V)."""
+        bad = (
+            np.isnan(logprobs).any(axis=1)
+            | ~np.isfinite(logprobs).any(axis=1)
+            | (ids < 0).any(axis=1)
+            | (ids >= self.vocab).any(axis=1)
+        )
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise ShardError(
+                f"{self.path}: sequence {j}, row {r} decodes to ids {ids[r][:4].tolist()}... / log-probs "
+                f"{logprobs[r][:4].tolist()}...: expected at least one finite log-prob, no NaN and ids "
+                f"below V={self.vocab}; the shard is corrupt"
+            )
 
     def _scalars(self, a: int, e: int) -> dict[str, np.ndarray]:
         """log_mass, log_tail, log_mass_t of rows [a, e); draw counts (version 5) imply them: mass 1, no tail."""

@@ -27,6 +27,7 @@ class Packed:
     name = "packed"
     tensors = frozenset({"lp_scale", "lp_codes", "ids_packed"})
     stores_ragged = False  # rows of variable K: padded (version 4)
+    meta_keys = ()  # header fields its decode reads beyond k and vocab
 
     def encode(
         self, ids, logprobs, scales, rows, vocab, padding=None, samples=None, ragged_rows=False
@@ -46,7 +47,7 @@ class Packed:
             padding_allowed=reader.variable_k,
         )
         ids = codec.unpack_bits(
-            reader.rows("ids_packed", a, e), reader.k, codec.id_bits(int(reader.meta["vocab"]))
+            reader.rows("ids_packed", a, e), reader.k, codec.id_bits(reader.vocab)
         )
         return _ranked(ids, logprobs, reader.variable_k)
 
@@ -57,6 +58,7 @@ class Rice:
 
     name = "rice"
     tensors = frozenset({"lp_scale", "lp_codes", "id_rem", "id_unary", "unary_offsets"})
+    meta_keys = ("rice_b",)  # header fields its decode reads (a ragged shard's are ragged.py's)
     stores_ragged = False
 
     def encode(

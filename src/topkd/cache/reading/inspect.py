@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from topkd.base.progress import track, wrote
+from topkd.cache.format import manifest as mf
 from topkd.cache.reading.reader import TopKCache
 
 MASS_BINS = np.array([0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0])
@@ -40,11 +41,18 @@ INSPECT_HELP = {
 
 
 def verify_cache(path: str) -> int:
-    cache = TopKCache(path)
-    problems = cache.verify(progress=True)
+    """Print one line per problem (BAD ...) and a verdict; 0 when every shard and the tokenizer are intact."""
+    try:
+        cache = TopKCache(path)
+        manifest, problems = cache.manifest, cache.verify(progress=True)
+    except mf.CacheError as refused:
+        # a shard refused at open: still list every shard whose bytes differ from its sidecar
+        manifest = mf.load_manifest(path)
+        problems = [p for s in manifest["shards"] if (p := mf.check_shard(path, s))]
+        problems = problems or [" ".join(str(refused).split())]
     for p in problems:
         print(f"BAD   {p}")
-    shards = len(cache.manifest["shards"])
+    shards = len(manifest["shards"])
     print(
         f"{'FAILED' if problems else 'OK'}: {shards - len(problems)}/{shards} shards verified ({path})"
     )

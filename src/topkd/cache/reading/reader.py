@@ -122,9 +122,13 @@ class TopKCache:
         try:
             shard = self.shard(j)
         except (SafetensorError, OSError, ValueError) as e:
+            # the header is read before any checksum (a checksum per open would cost every run seconds);
+            # when it fails, the checksum says whether the bytes were damaged or written so
+            damage = mf.check_shard(self.path, side)
             raise mf.CacheError(
-                f"cache {self.path}: {side['file']} has an unreadable header ({e}); the shard is "
-                "corrupt: delete it and its .json sidecar, and rerun the build command"
+                f"cache {self.path}: {side['file']} has an unreadable header ("
+                f"{' '.join(str(e).split())}){'; ' + damage if damage else ''}; the shard is corrupt: "
+                "delete it and its .json sidecar, and rerun the build command (it redoes only that shard)"
             )
         problem = mf.identity_problem(shard.meta, side, self.manifest["build_hash"])
         if problem or shard.temperatures != [float(t) for t in self.temperatures]:
