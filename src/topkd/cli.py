@@ -1,6 +1,6 @@
 """The `topkd` command line: one command, subcommands per job.
 
-    topkd cache build --teacher MODEL --data corpus.txt --out runs/cache --seq-len 2048 --k 100
+    topkd cache build --teacher MODEL --data corpus.txt --out runs/cache --seq-len 2048  # sampled, N = 100
     topkd cache verify runs/cache          # every checksum
     topkd cache inspect runs/cache         # fingerprint, totals, bytes/token, kept mass and ids per token
     topkd train --cache runs/cache --init-from-teacher --layers 6 --out runs/student --steps 500
@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from topkd.base import dist
 from topkd.base.signals import Interrupted, signals_raise
 from topkd.bench.cache import CACHE_BENCH_HELP, CacheBenchConfig, run_cache_bench
 from topkd.bench.loss import LOSS_BENCH_HELP, LossBenchConfig, run_loss_bench
@@ -266,6 +267,7 @@ def unknown_flags(unknown: list[str], flags: list[str]) -> str:
 def run_command(args) -> int:
     cmd = args.which
     status = cmd.run(cmd.config(**{f.name: getattr(args, f.name) for f in fields(cmd.config)}))
+    dist.shutdown()  # under torchrun: the ranks leave together
     return status if isinstance(status, int) else 0
 
 

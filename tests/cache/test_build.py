@@ -1,5 +1,6 @@
 """Building a cache: rows equal a direct teacher forward, documents, resume after a real kill, 2 processes."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -107,8 +108,6 @@ def _cli(out, teacher_dir, text, *extra):
         str(out),
         "--seq-len",
         "32",
-        "--k",
-        "8",
         "--seqs-per-shard",
         "1",
         *extra,
@@ -128,7 +127,9 @@ def _shard_digests(root):
 
 
 @pytest.mark.parametrize(
-    "targets", [(), ("--targets", "sampled", "--samples", "16")], ids=["topk", "sampled"]
+    "targets",
+    [("--targets", "topk", "--k", "8"), ("--targets", "sampled", "--samples", "16")],
+    ids=["topk", "sampled"],
 )
 def test_resume_after_a_real_kill_gives_identical_bytes(teacher_dir, long_text, tmp_path, targets):
     """A sampled build too: each shard draws from its own seeded generator, so the redone shards' draws match."""
@@ -170,7 +171,7 @@ def test_resume_after_a_real_kill_gives_identical_bytes(teacher_dir, long_text, 
 
 def test_two_process_build_equals_one_process(teacher_dir, long_text, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    extra = ("--max-sequences", "9")
+    extra = ("--max-sequences", "9", "--targets", "topk", "--k", "8")
     subprocess.run(
         _cli(one, teacher_dir, long_text, *extra),
         env=SUBPROCESS_ENV,
@@ -254,7 +255,9 @@ def test_bad_build_settings_are_refused(teacher_dir, text_file, tmp_path, field,
 
 
 def test_k_larger_than_vocab_is_refused(teacher_dir, text_file, tmp_path):
-    with pytest.raises(ValueError, match="k: expected 1 <= k <= vocab size 1000"):
+    with pytest.raises(
+        ValueError, match="--k 1001: expected at most the teacher's vocabulary of 1000 ids per row"
+    ):
         build(cache_config(teacher_dir, text_file, tmp_path / "c", k=1001))
 
 
@@ -262,3 +265,72 @@ def test_missing_teacher_is_refused(text_file, tmp_path):
     with pytest.raises(ValueError, match="never fetches from a hub"):
         build(cache_config(str(tmp_path / "no-model"), text_file, tmp_path / "c"))
     assert not (tmp_path / "c").exists()  # a refused start leaves nothing behind
+
+
+def test_too_many_plain_draws_are_refused_before_the_teacher_loads(
+    teacher_dir, text_file, tmp_path, monkeypatch
+):
+    from topkd.cache.building import engines
+
+    def never(*args, **kwargs):
+        raise AssertionError("the teacher was loaded for settings that could never build")
+
+    monkeypatch.setitem(
+        engines.ENGINES, "hf", dataclasses.replace(engines.ENGINES["hf"], load=never)
+    )
+    out = tmp_path / "c"
+    with pytest.raises(
+        ValueError, match=r"--samples: expected at most 255 draws .* got 256; pass --samples 255"
+    ):
+        build(
+            cache_config(
+                teacher_dir, text_file, out, targets="sampled", samples=256, temperatures=[]
+            )
+        )
+    assert not out.exists()  # no .build-*.lock, no empty shards/
+
+
+@pytest.mark.parametrize(
+    "targets,flag,value,readers",
+    [
+        ("sampled", "top_p", 0.9, "topp"),
+        ("sampled", "min_k", 4, "topp"),
+        ("sampled", "k", 50, "topk or topp"),
+        ("topk", "samples", 50, "sampled"),
+        ("topk", "head", 8, "sampled"),
+        ("topk", "top_p", 0.9, "topp"),
+        ("topp", "samples", 24, "sampled"),
+    ],
+)
+def test_another_kinds_flag_is_refused_not_ignored(
+    teacher_dir, text_file, tmp_path, targets, flag, value, readers
+):
+    typed = "--" + flag.replace("_", "-")
+    cfg = cache_config(
+        teacher_dir, text_file, tmp_path / "c", targets=targets, temperatures=[], **{flag: value}
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"^{typed}: expected only with --targets {readers}, got {typed} {value} with --targets {targets}, "
+        rf"which would ignore it; drop {typed}",
+    ):
+        build(cfg)
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_hybrid_wider_than_the_vocabulary_names_the_flags_typed(teacher_dir, text_file, tmp_path):
+    cfg = cache_config(
+        teacher_dir,
+        text_file,
+        tmp_path / "c",
+        targets="sampled",
+        head=1000,
+        samples=24,
+        temperatures=[],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^--head 1000 \+ --samples 24: expected at most the teacher's vocabulary of 1000 ids",
+    ):
+        build(cfg)
+    assert not (tmp_path / "c" / "shards").exists()

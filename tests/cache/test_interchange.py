@@ -315,6 +315,14 @@ def test_rows_are_rank_ordered_and_masked_positions_kept_as_masked_rows():
             {"target_mask": [[0, 0], [1, 0], [1, 1]]},
             "position 1: expected a target_mask of all 1 or all 0",
         ),
+        # ids written as text: never read as numbers silently
+        (
+            {"target_token_ids": [["0", "1"], ["3", "4"], ["5", "6"]]},
+            "target_token_ids: expected numbers, got text ('0'); the dataset was written with its "
+            "numbers as strings: cast the column to integers",
+        ),
+        ({"input_ids": ["5", 6, 7]}, "input_ids: expected numbers, got text ('5')"),
+        ({"target_logprobs": [[0, 0], ["-2.0", -1.0], [-0.5, -3.0]]}, "expected numbers, got text"),
     ],
 )
 def test_malformed_rows_are_refused_in_one_line_never_coerced(edit, words):

@@ -22,6 +22,7 @@ def test_smollm2_cache_size_and_fidelity(tmp_path):
             data=[hamlet],
             out=str(tmp_path / "c"),
             seq_len=256,
+            targets="topk",  # tempered rows: top-K's alone
             k=100,
             max_sequences=8,
             seqs_per_shard=4,

@@ -132,6 +132,41 @@ def test_edited_manifest_settings_are_refused(cache_copy, edit):
     )
 
 
+def test_a_manifest_format_version_its_shards_lack_is_refused_and_a_rebuild_rewrites_it(
+    cache_copy, teacher_dir, text_file
+):
+    from topkd.cache.format.manifest import READABLE_VERSIONS
+
+    before = json.load(open(os.path.join(cache_copy, "manifest.json")))
+    other = next(v for v in READABLE_VERSIONS if v != before["format_version"])
+    _edit_manifest(cache_copy, lambda m: m.update(format_version=other))
+    with pytest.raises(
+        CacheError,
+        match=rf"format_version {other} does not match its shards' \(v{before['format_version']}",
+    ):
+        TopKCache(cache_copy)
+    build(cache_config(teacher_dir, text_file, cache_copy))  # the same command: repaired
+    assert json.load(open(os.path.join(cache_copy, "manifest.json"))) == before
+
+
+def test_a_max_id_lowered_below_the_ids_a_shard_holds_is_refused_on_read(cache_copy):
+    """max_id decides which student heads may read the cache: a lowered one would let a small head index past
+    its rows."""
+
+    def lower(m):
+        for side in m["shards"]:
+            side["max_id"] = 5
+
+    _edit_manifest(cache_copy, lower)
+    cache = TopKCache(cache_copy)
+    assert cache.max_id == 5  # what check_student would trust
+    with pytest.raises(
+        CacheError,
+        match=r"shard-00000.safetensors sequence 0 holds token id \d+, past the max_id 5",
+    ):
+        cache[0]
+
+
 def test_edited_build_hash_is_refused_by_the_shards_themselves(cache_copy):
     """An attacker who recomputes the build hash after editing must also rewrite every shard's own bytes."""
     from topkd.cache.format import manifest as mf
@@ -377,6 +412,8 @@ def test_a_second_build_on_the_same_out_is_refused(teacher_dir, text_file, tmp_p
                 str(out),
                 "--seq-len",
                 "48",
+                "--targets",
+                "topk",
                 "--k",
                 "4",
             ],

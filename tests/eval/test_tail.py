@@ -1,6 +1,8 @@
 """The metrics that see the tail: ECE against a hand computation, full-vocabulary KL and TVD against a float64
 brute force (acceptance = sum min(p, q) = 1 - TVD), and `topkd eval --teacher --reliability` end to end."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -62,7 +64,9 @@ def test_eval_with_a_live_teacher_sees_the_whole_distribution(
             text=[text_file],
             teacher=teacher_dir,
             max_tokens=300,
-            reliability=str(tmp_path / "rel.png"),
+            reliability=str(
+                tmp_path / "plots" / "new" / "rel.png"
+            ),  # its folders made, not an errno
         )
     )["text"]
     assert (
@@ -71,10 +75,33 @@ def test_eval_with_a_live_teacher_sees_the_whole_distribution(
         and sum(b["count"] for b in got["calibration"]) == got["scored_tokens"]
     )
     assert (
-        tmp_path / "rel.png"
+        tmp_path / "plots" / "new" / "rel.png"
     ).stat().st_size > 5000 and "reliability diagram" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--teacher and --reliability go with --text"):
         run_eval(EvalConfig(model=student, cache=built_cache, teacher=teacher_dir))
+
+
+@pytest.mark.parametrize("flag", ["reliability", "out"])
+def test_an_output_it_could_not_write_is_refused_before_the_evaluation(
+    teacher_dir, text_file, tmp_path, flag
+):
+    from topkd.eval.run import EvalConfig, run_eval
+
+    (tmp_path / "a-file").write_text("not a folder")
+    for path, match in [
+        (
+            tmp_path / "a-file" / "sub" / "x",
+            rf"--{flag}: expected a path this user can write, .* a file it cannot",
+        ),
+        (tmp_path, rf"--{flag}: expected a file to write, got .*, a directory"),
+    ]:
+        cfg = EvalConfig(
+            model=str(tmp_path / "no-model-loads"), text=[text_file], **{flag: str(path)}
+        )
+        os.makedirs(cfg.model)  # exists, yet holds no model: a load would fail with another error
+        with pytest.raises(ValueError, match=match):
+            run_eval(cfg)
+        os.rmdir(cfg.model)
 
 
 def test_a_teacher_of_another_tokenizer_is_refused(teacher_dir, text_file, tmp_path):

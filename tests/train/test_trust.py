@@ -245,6 +245,76 @@ def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
     assert killed >= 2, "the rewrite finished before the kills: make the file larger"
 
 
+HOLD_LOCK = (
+    "import sys, time; from topkd.base.files import exclusive_lock\n"
+    "with exclusive_lock(sys.argv[1], 'busy'):\n    print('held', flush=True); time.sleep(600)"
+)
+
+
+def test_out_is_held_before_the_student_loads(built_cache, tmp_path, monkeypatch):
+    """A second run started while the first still loads its student (minutes, for a large one) used to load
+    too, then either fail at the lock or, when the first had finished meanwhile, exit 0 having done nothing."""
+    from topkd.train import loop
+
+    def never(*args):
+        raise AssertionError("the student loaded into an --out another run holds")
+
+    monkeypatch.setattr(loop, "open_run", never)
+    out = tmp_path / "run"
+    os.makedirs(out)
+    # the first run, loading: another process (a record lock is the same process's to take again)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out / ".train-0.lock")],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            ValueError, match=rf"another topkd train is running there \(process {holder.pid}"
+        ):
+            train(config(built_cache, out))
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setattr(
+        loop, "open_run", lambda *args: (_ for _ in ()).throw(ValueError("refused"))
+    )
+    with pytest.raises(ValueError, match="refused"):
+        train(config(built_cache, tmp_path / "new"))
+    assert not (tmp_path / "new").exists()  # a refused run leaves no --out behind
+
+
+def test_rerunning_a_finished_run_says_it_trained_nothing(built_cache, tmp_path):
+    first = subprocess.run(
+        cli_args(built_cache, tmp_path / "run", 3), env=ENV, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = subprocess.run(
+        cli_args(built_cache, tmp_path / "run", 3), env=ENV, capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.strip().splitlines()[-1] == (
+        f"topkd train: {tmp_path / 'run'} already holds this run finished at step 3 of --steps 3: nothing "
+        "trained; final/ and loss.png rewritten from its checkpoint (pass a larger --steps to train on)"
+    )
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    assert train(
+        config(
+            built_cache,
+            tmp_path / "run",
+            steps=3,
+            warmup_steps=2,
+            lr=3e-3,
+            batch_size=2,
+            checkpoint_every=2,
+            seq_len=24,
+        )
+    ) == json.loads(metrics.splitlines()[-1])
+
+
 def test_a_second_train_on_a_running_out_is_refused_and_the_first_goes_on(built_cache, tmp_path):
     """A requeued cluster job overlapping the old one: both ran to the end, interleaving metrics.jsonl,
     checkpoints and run.json. --out is now held by an exclusive lock."""

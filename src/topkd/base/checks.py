@@ -32,6 +32,26 @@ def require_path(flag: str, path: str, kind: str = "any") -> None:
         raise ValueError(f"{flag}: expected {what}, got {path!r} (not found); check the path")
 
 
+def require_writable(flag: str, path: str) -> None:
+    """An output file the job writes at its end (its missing folders are made then): checked before the work,
+    so that a long run never ends in a bare errno."""
+    if os.path.isdir(path):
+        raise ValueError(
+            f"{flag}: expected a file to write, got {path!r}, a directory; name a file in it"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(
+        parent
+    ):  # the nearest folder that exists is where the missing ones will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        what = "a directory" if os.path.isdir(parent) else "a file"
+        raise ValueError(
+            f"{flag}: expected a path this user can write, got {path!r}, under {parent!r}, {what} it cannot "
+            "write into; choose another path"
+        )
+
+
 def require_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected {' | '.join(DTYPES)}, got {dtype!r}")

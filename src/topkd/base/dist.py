@@ -2,6 +2,7 @@
 
     rank, world = topkd.base.dist.init("cpu")      # (0, 1) without torchrun; gloo on CPU, nccl on CUDA
     tokens = topkd.base.dist.all_sum(local_tokens)
+    topkd.base.dist.shutdown()                     # a finished job's end: every rank together
 
 Every helper is a no-op (returns its input) when there is one process, so callers never branch.
 """
@@ -13,12 +14,16 @@ import os
 import torch
 import torch.distributed as dist
 
+_STARTED = []  # the process group init() started (one a caller started is the caller's to end)
+
 
 def init(device: str) -> tuple[int, int]:
     """(rank, world) under torchrun, initialising the process group once; (0, 1) otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
+    if not dist.is_initialized():
+        _STARTED.append(True)
     if not dist.is_initialized() and device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)  # else every rank's collectives and .cuda() land on cuda:0
@@ -26,6 +31,17 @@ def init(device: str) -> tuple[int, int]:
     elif not dist.is_initialized():
         dist.init_process_group("gloo")
     return dist.get_rank(), world
+
+
+def shutdown() -> None:
+    """End a job that finished: every rank waits for the others (a barrier), then the process group init()
+    started is destroyed. A rank that exited while a peer still worked (rank 0 saving final/) left gloo's
+    threads to the interpreter's exit, which could abort it (SIGABRT, "terminate called without an active
+    exception") and torchrun then stopped the peer."""
+    if _STARTED and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        _STARTED.clear()
 
 
 def active() -> bool:

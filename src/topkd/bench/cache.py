@@ -215,15 +215,12 @@ def _measure_targets(cfg: CacheBenchConfig, kind: str) -> dict:
             data=cfg.data,
             out=out,
             seq_len=cfg.seq_len,
-            k=cfg.k,
             max_sequences=cfg.sequences,
             batch_size=cfg.batch_size,
             dtype=cfg.dtype,
             targets=kind,
-            samples=cfg.samples,
-            head=cfg.head if TARGET_KINDS[kind].draws else 0,  # --head: the sampled arm's alone
-            top_p=cfg.top_p,
-            min_k=cfg.min_k,
+            # the arm's own settings (a build refuses another kind's)
+            **{name: getattr(cfg, name) for name in TARGET_KINDS[kind].flags},
         )
     )
     built = time.perf_counter() - start

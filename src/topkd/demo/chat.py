@@ -17,6 +17,7 @@ import re
 
 from topkd.base.files import write_atomic
 from topkd.cache import CacheBuildConfig, TopKCache, build
+from topkd.cache.format import TARGET_KINDS
 from topkd.eval.run import EvalConfig, run_eval
 from topkd.train import TrainConfig, train
 
@@ -148,14 +149,12 @@ def cache_step(
 ) -> None:
     """A demo cache, built (or resumed) as one step; targets: e.g. targets="sampled", samples=50 (none: top-K)."""
     targets = {"targets": "topk", **targets}
+    if (
+        "k" in TARGET_KINDS[targets["targets"]].flags
+    ):  # a sampled build refuses a --k it would ignore
+        targets["k"] = k
     config = CacheBuildConfig(
-        teacher=teacher,
-        data=data,
-        out=out,
-        seq_len=seq_len,
-        k=k,
-        max_sequences=max_sequences,
-        **targets,
+        teacher=teacher, data=data, out=out, seq_len=seq_len, max_sequences=max_sequences, **targets
     )
     step(name, lambda: build(config))
 

@@ -18,7 +18,13 @@ import os
 import random
 from dataclasses import asdict, dataclass, field
 
-from topkd.base.checks import require_device, require_dtype, require_ints, require_path
+from topkd.base.checks import (
+    require_device,
+    require_dtype,
+    require_ints,
+    require_path,
+    require_writable,
+)
 from topkd.base.progress import wrote
 from topkd.cache import TopKCache
 from topkd.cache.building.compat import tokenizer_mismatch
@@ -91,6 +97,9 @@ def check_config(cfg: EvalConfig) -> None:
         )
     if cfg.teacher:
         require_path("--teacher", cfg.teacher)
+    for flag, path in (("--out", cfg.out), ("--reliability", cfg.reliability)):
+        if path:
+            require_writable(flag, path)
     require_ints(cfg, ("seq_len",), 2)
     require_ints(cfg, ("limit", "max_tokens", "max_sequences"), 0)
     require_dtype(cfg.dtype)
@@ -135,6 +144,7 @@ def _score_text(cfg: EvalConfig, model, tokenizer) -> dict:
     teacher = load_teacher_for(cfg, tokenizer) if cfg.teacher else None
     scores = evaluate_text(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens, teacher=teacher)
     if cfg.reliability:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.reliability)), exist_ok=True)
         name = cfg.name or os.path.basename(os.path.normpath(cfg.model))
         reliability_plot(
             {"ece": scores["ece"], "bins": scores["calibration"]}, cfg.reliability, name

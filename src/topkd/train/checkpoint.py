@@ -225,6 +225,16 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+def metrics_row(path: str, step: int) -> dict:
+    """The metrics row of a step (the last one written for it), or {} where none was."""
+    row = {}
+    for line in open(path) if os.path.exists(path) else []:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if (parsed := json.loads(line))["step"] == step:
+                row = parsed
+    return row
+
+
 def truncate_metrics(path: str, step: int) -> None:
     """Keep only metric rows up to the resumed step (rows after it were lost with the process); atomic."""
     if dist.rank() != 0 or not os.path.exists(path):

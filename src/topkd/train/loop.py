@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -46,13 +47,22 @@ def train(cfg: TrainConfig) -> dict:
     check_config(cfg)
     check_paths(cfg)
     rank, world = dist.init(cfg.device)
-    run = open_run(cfg, dist.local_device(cfg.device), world)
+    made = not os.path.isdir(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
+    lock = os.path.join(cfg.out, f".train-{rank}.lock")
+    # held from before the student loads: a second run started while the first loads or trains is refused at
+    # once, whatever its flags, and never waits to redo a finished run's ending
     with exclusive_lock(
-        os.path.join(cfg.out, f".train-{rank}.lock"),
+        lock,
         f"{cfg.out}: another topkd train is running there (process {{holder}} holds {{path}}); wait "
         "for it to finish (an overlapping requeued job?), or train into another --out",
     ):
+        try:
+            run = open_run(cfg, dist.local_device(cfg.device), world)
+        except BaseException:
+            if made:  # refused before anything ran: --out is left as it was, absent
+                shutil.rmtree(cfg.out, ignore_errors=True)
+            raise
         return resume_and_run(run)
 
 
@@ -72,14 +82,23 @@ def resume_and_run(run: Run) -> dict:
     if dist.rank() == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({**asdict(cfg), "world_size": run.world}, f, indent=1)
-    row = run_steps(run, resumed)
+    finished = resumed and state["step"] == cfg.steps  # by an earlier run: nothing to train
+    row = (
+        run_steps(run, resumed)
+        if not finished
+        else ckpt.metrics_row(run.metrics_path, state["step"])
+    )
     run.save_checkpoint()
-    save_final(run)
+    save_final(run)  # again when finished: a run killed while saving it left it incomplete
     if dist.rank() == 0:
         plot_losses(run.metrics_path, os.path.join(cfg.out, "loss.png"), run_title(cfg))
         print(
-            f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, loss.png and "
-            f"checkpoints/ in {cfg.out} (step {state['step']})",
+            f"topkd train: {cfg.out} already holds this run finished at step {state['step']} of --steps "
+            f"{cfg.steps}: nothing trained; final/ and loss.png rewritten from its checkpoint (pass a larger "
+            "--steps to train on)"
+            if finished
+            else f"topkd train: wrote {os.path.join(cfg.out, 'final')} (model + tokenizer), metrics.jsonl, "
+            f"loss.png and checkpoints/ in {cfg.out} (step {state['step']})",
             flush=True,
         )
     return row

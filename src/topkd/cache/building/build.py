@@ -1,6 +1,6 @@
 """`topkd cache build`: run a teacher once over token data and write its top-K cache.
 
-    topkd cache build --teacher MODEL_DIR_OR_GGUF --data a.txt b.jsonl --out CACHE --seq-len 2048 --k 100
+    topkd cache build --teacher MODEL_DIR_OR_GGUF --data a.txt b.jsonl --out CACHE --seq-len 2048
     torchrun --nproc_per_node 2 -m topkd.cli cache build ...      # rank r builds shards j = r mod world
 
 Resumable: shards whose sidecar verifies are skipped, so killing the build at any moment and
@@ -151,9 +151,9 @@ def check_teacher_fits(teacher, cfg: CacheBuildConfig) -> None:
     if cfg.chat_template:
         check_chat_tokenizer(teacher.tokenizer, cfg.chat_template)
     if not 1 <= row_width(cfg) <= teacher.vocab:
-        name = "samples" if target_kind(cfg.targets).draws else "k"
         raise ValueError(
-            f"{name}: expected 1 <= {name} <= vocab size {teacher.vocab}, got {row_width(cfg)}"
+            f"{target_kind(cfg.targets).width_flags(cfg)}: expected at most the teacher's vocabulary of "
+            f"{teacher.vocab} ids per row, got {row_width(cfg)}; lower it"
         )
     config = getattr(getattr(teacher, "model", None), "config", None)
     check_positions(getattr(config, "max_position_embeddings", None), cfg.seq_len)

@@ -123,9 +123,25 @@ def _check_targets(cfg: CacheBuildConfig) -> None:
     kind = target_kind(cfg.targets)
     require_ints(cfg, ("samples",), 1)
     require_ints(cfg, ("head",), 0)
+    _refuse_ignored_flags(cfg, kind)
     kind.check(cfg)
     if any(not t > 0 for t in cfg.temperatures):
         raise ValueError(f"temperatures: expected values > 0, got {cfg.temperatures}")
+
+
+def _refuse_ignored_flags(cfg: CacheBuildConfig, kind) -> None:
+    """Another kind's setting changed from its default would be ignored by this build: refused instead."""
+    defaults = CacheBuildConfig()
+    for name in dict.fromkeys(flag for other in TARGET_KINDS.values() for flag in other.flags):
+        value = getattr(cfg, name)
+        if name in kind.flags or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        readers = " or ".join(other.name for other in TARGET_KINDS.values() if name in other.flags)
+        raise ValueError(
+            f"{flag}: expected only with --targets {readers}, got {flag} {value} with --targets {cfg.targets}, "
+            f"which would ignore it; drop {flag}, or pass --targets {readers.split()[0]}"
+        )
 
 
 def _check_engine(cfg: CacheBuildConfig) -> None:

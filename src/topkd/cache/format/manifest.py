@@ -301,6 +301,13 @@ def check_manifest(m, path: str) -> None:
             "manifest, or rebuild the cache"
         )
     end = _check_shard_list(shards, m["build_hash"], path)
+    # write_manifest: the newest of its shards' versions
+    version = max((s["format_version"] for s in shards), default=m["format_version"])
+    need(
+        m["format_version"] == version,
+        f"{path}: format_version {m['format_version']} does not match its shards' (v{version}, the newest "
+        "of them); the manifest was edited: rerun the build command to rewrite it",
+    )
     _check_file_sums(m.get("tokenizer_files", {}), f"{path}: tokenizer_files")
     want = {
         "shards": len(shards),

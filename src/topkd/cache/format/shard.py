@@ -386,10 +386,16 @@ class ShardReader:
 def shard_facts(rows: list[TeacherSequence], meta: dict) -> dict:
     """What a sidecar records beside the checksum: the largest token id, the format version, counted rows."""
     return {
-        "max_id": max(max(int(_real_ids(r).max()), int(r.input_ids.max())) for r in rows),
+        "max_id": max(sequence_max_id(r) for r in rows),
         "format_version": int(meta["format_version"]),
         "counted": sum(len(r) if r.row_mask is None else int(r.row_mask.sum()) for r in rows),
     }
+
+
+def sequence_max_id(seq: TeacherSequence) -> int:
+    """The largest token id a sequence holds: its input ids and the ids of its real (not padding) entries."""
+    real = _real_ids(seq)
+    return max(int(real.max()) if real.size else 0, int(seq.input_ids.max()))
 
 
 def _real_ids(seq: TeacherSequence) -> np.ndarray:

@@ -18,6 +18,7 @@ from typing import Callable
 
 from topkd.cache.format.adaptive import adaptive_rows
 
+MAX_COUNT = 255  # the most draws a plain sampled row stores: counts are one byte each
 # divergences whose estimate from count / N rows (zero off the drawn ids) is unbiased at T = 1
 UNBIASED_FROM_DRAWS = ("kl", "jsd", "tvd")
 
@@ -36,10 +37,14 @@ class TargetKind:
     width_label: str  # what `cache inspect` calls the ids of a row
     export_refusal: str  # why the Axolotl format cannot hold these rows ("": it can)
     row_width: Callable  # (build settings) -> entries per cached row
+    # (build settings) -> the flags that set the row width, as the user typed them: "--k 100"
+    width_flags: Callable
     settings: Callable  # (build settings) -> the kind's part of the build hash, or None (none: top-K's old hash)
     describe: Callable  # (the manifest's build["targets"], K) -> one line for `cache inspect`
     check: Callable  # (build settings) -> None, or ValueError naming the setting and the remedy
     label: Callable  # (build settings) -> a short name for reports: "top-100", "sampled N=50"
+    # the `cache build` settings only this kind reads (another kind's build refuses them rather than ignore them)
+    flags: tuple[str, ...] = ()
     # (build settings, the engine's EngineRows) -> the rows this kind stores
     adapt: Callable = lambda cfg, rows: rows
 
@@ -60,16 +65,16 @@ class TargetKind:
         return cfg.samples if self.draws and not cfg.head else None
 
 
-def _no_head(cfg) -> None:
-    if cfg.head:
+def _check_sampled(cfg) -> None:
+    # plain draws are stored as counts, one byte each (cache/format/ragged.py); a hybrid's as log-prob codes
+    if not cfg.head and cfg.samples > MAX_COUNT:
         raise ValueError(
-            f"--head: expected only with --targets sampled, got --head {cfg.head} with --targets "
-            f"{cfg.targets}; --k sets a top-K cache's width"
+            f"--samples: expected at most {MAX_COUNT} draws per token (each id's count is stored in one byte), "
+            f"got {cfg.samples}; pass --samples {MAX_COUNT} or fewer (100 is the default)"
         )
 
 
 def _check_topp(cfg) -> None:
-    _no_head(cfg)
     if not (0 < cfg.top_p <= 1 and isinstance(cfg.min_k, int) and 1 <= cfg.min_k <= cfg.k):
         raise ValueError(
             f"--targets topp: expected 0 < --top-p <= 1 and 1 <= --min-k <= --k, got top_p={cfg.top_p} "
@@ -109,14 +114,16 @@ TOPK = TargetKind(
     width_label="ids stored",
     export_refusal="",
     row_width=lambda cfg: cfg.k,
+    width_flags=lambda cfg: f"--k {cfg.k}",
     settings=lambda cfg: (
         None
     ),  # no part: top-K caches keep the hash they had before other kinds existed
     describe=lambda targets, k: (
         f"top-K      the teacher's {k} most likely ids; the rest of the mass in the tail"
     ),
-    check=_no_head,
+    check=lambda cfg: None,
     label=lambda cfg: f"top-{cfg.k}",
+    flags=("k",),
 )
 SAMPLED = TargetKind(
     name="sampled",
@@ -128,12 +135,16 @@ SAMPLED = TargetKind(
     width_label="distinct ids drawn",
     export_refusal="rows of variable K, which its collator cannot pair",
     row_width=lambda cfg: cfg.samples + cfg.head,  # the most distinct ids a row can hold
+    width_flags=lambda cfg: (
+        f"--head {cfg.head} + --samples {cfg.samples}" if cfg.head else f"--samples {cfg.samples}"
+    ),
     settings=_sampled_settings,
     describe=_describe_sampled,
-    check=lambda cfg: None,
+    check=_check_sampled,
     label=lambda cfg: (
         f"sampled head {cfg.head} + N={cfg.samples}" if cfg.head else f"sampled N={cfg.samples}"
     ),
+    flags=("samples", "head"),
 )
 TOPP = TargetKind(
     name="topp",
@@ -144,10 +155,12 @@ TOPP = TargetKind(
     width_label="ids stored",
     export_refusal="rows of variable K, which its collator cannot pair",
     row_width=lambda cfg: cfg.k,
+    width_flags=lambda cfg: f"--k {cfg.k}",
     settings=lambda cfg: {"kind": "topp", "top_p": cfg.top_p, "min_k": cfg.min_k},
     describe=_describe_topp,
     check=_check_topp,
     label=lambda cfg: f"top-p {cfg.top_p}",
+    flags=("k", "top_p", "min_k"),
     adapt=lambda cfg, rows: adaptive_rows(rows, cfg.top_p, cfg.min_k, tuple(cfg.temperatures)),
 )
 TARGET_KINDS = {kind.name: kind for kind in (TOPK, SAMPLED, TOPP)}

@@ -330,6 +330,12 @@ def check_alignment(seqs: list[TeacherSequence]) -> None:
 
 def _numbers(row: dict, name: str, where: str, dims: int) -> np.ndarray:
     value = row.get(name)
+    text = _first_text(value) if _may_hold_text(value) else None
+    if text is not None:  # float("12") would read it as a number, and hide a dataset written wrong
+        raise ValueError(
+            f"{where} {name}: expected numbers, got text ({text!r}); the dataset was written with its "
+            "numbers as strings: cast the column to integers (ids, mask) or floats (log-probs)"
+        )
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
@@ -341,6 +347,28 @@ def _numbers(row: dict, name: str, where: str, dims: int) -> np.ndarray:
             f"{'null' if value is None else 'ragged or non-numeric lists'}; repair or drop that row"
         )
     return array
+
+
+def _may_hold_text(value) -> bool:
+    """Not a plain array of numbers (numpy's own fast read of the lists says so)."""
+    try:
+        return np.asarray(value).dtype.kind not in "biuf"
+    except ValueError:  # ragged
+        return True
+
+
+def _first_text(value) -> str | None:
+    """The first string among a row's nested lists, or None."""
+    if isinstance(value, (str, bytes)):
+        return value if isinstance(value, str) else value.decode(errors="replace")
+    if isinstance(value, (list, tuple, np.ndarray)) and not (
+        isinstance(value, np.ndarray) and value.dtype.kind in "biuf"
+    ):
+        for item in value:
+            text = _first_text(item)
+            if text is not None:
+                return text
+    return None
 
 
 def _placeholder_rows(ids: np.ndarray, lp: np.ndarray, rows: np.ndarray, vocab: int):

@@ -25,7 +25,7 @@ from topkd.cache.building.compat import (
     tokenizer_problems,
 )
 from topkd.cache.format import manifest as mf
-from topkd.cache.format.shard import ShardReader, expected_tensors, read_row_counts
+from topkd.cache.format.shard import ShardReader, expected_tensors, read_row_counts, sequence_max_id
 from topkd.cache.format.targets import TargetKind, kind_of_manifest
 
 OPEN_SHARDS = 64
@@ -182,6 +182,7 @@ class TopKCache:
                 )
             self._verified.add((os.getpid(), j))
         seq = self.shard(j).sequence(local)
+        self._check_max_id(j, i, seq)
         return {
             "input_ids": torch.from_numpy(seq.input_ids),
             "teacher_ids": torch.from_numpy(seq.ids),
@@ -194,6 +195,18 @@ class TopKCache:
             "token_offset": seq.token_offset,
             **({} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}),
         }
+
+    def _check_max_id(self, j: int, i: int, seq) -> None:
+        """The sidecar's max_id decides which student heads may read this cache (check_student): no row may
+        hold an id past it, or a smaller head would index out of range."""
+        side = self.manifest["shards"][j]
+        recorded = side.get("max_id")
+        if recorded is not None and (seen := sequence_max_id(seq)) > recorded:
+            raise mf.CacheError(
+                f"cache {self.path}: {side['file']} sequence {i} holds token id {seen}, past the max_id "
+                f"{recorded} its sidecar and the manifest record; the sidecar or the shard was rewritten: "
+                "delete that shard and its .json sidecar and rerun the build command to redo it"
+            )
 
     def __getstate__(self):  # pickled into DataLoader workers: shard handles are re-opened there
         state = dict(self.__dict__)
