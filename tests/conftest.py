@@ -11,26 +11,49 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.cache.tiny import make_gguf_teacher, make_teacher, make_text  # noqa: E402
+from tests.cache import tiny  # noqa: E402
 from topkd.cache import CacheBuildConfig, TopKCache, build  # noqa: E402
 from topkd.cache.format import TARGET_KINDS  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def teacher_dir(tmp_path_factory):
-    return make_teacher(str(tmp_path_factory.mktemp("teacher")))
+    return tiny.make_teacher(str(tmp_path_factory.mktemp("teacher")))
 
 
 @pytest.fixture(scope="session")
 def gguf_teacher(teacher_dir, tmp_path_factory):
     """The tiny teacher as a .gguf file (F32 tensors; its own BPE tokenizer and a chat template inside)."""
-    return make_gguf_teacher(teacher_dir, str(tmp_path_factory.mktemp("gguf") / "teacher.gguf"))
+    return tiny.make_gguf_teacher(
+        teacher_dir, str(tmp_path_factory.mktemp("gguf") / "teacher.gguf")
+    )
+
+
+@pytest.fixture(scope="session")
+def chat_teacher_dir(teacher_dir, tmp_path_factory):
+    """The tiny teacher with ChatML's special tokens and template (tests/cache/tiny.py)."""
+    return tiny.make_chat_teacher(teacher_dir, str(tmp_path_factory.mktemp("chat-teacher")))
+
+
+@pytest.fixture(scope="session")
+def chats_file(tmp_path_factory):
+    """20 two-turn conversations (user, assistant) of tiny-vocabulary words."""
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    talks = [
+        [
+            {"role": "user", "content": tiny.make_text(8, i)},
+            {"role": "assistant", "content": tiny.make_text(15, 100 + i)},
+        ]
+        for i in range(20)
+    ]
+    path.write_text("".join(json.dumps({"messages": t}) + "\n" for t in talks))
+    return str(path)
 
 
 @pytest.fixture(scope="session")
 def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(make_text(1500, seed=7))
+    path.write_text(tiny.make_text(1500, seed=7))
     return str(path)
 
 
@@ -64,7 +87,7 @@ def documents_file(tmp_path_factory):
     """JSONL documents of 2 to 150 words (some longer than a 48-token sequence)."""
     path = tmp_path_factory.mktemp("docs") / "d.jsonl"
     words = [3, 40, 7, 150, 12, 5, 60, 9, 25, 4, 80, 6, 18, 33, 2, 11]
-    path.write_text("".join(json.dumps({"text": make_text(n, seed=n)}) + "\n" for n in words))
+    path.write_text("".join(json.dumps({"text": tiny.make_text(n, seed=n)}) + "\n" for n in words))
     return str(path)
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import time
 
 from topkd.train import TrainConfig
 
@@ -55,3 +56,12 @@ def cli_args(cache, out, steps):
         "--seq-len",
         "24",
     ]
+
+
+def wait_for_rows(path, n, proc, timeout=120):
+    """Until metrics.jsonl at path holds n rows (or proc ended, or timeout seconds passed)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and sum(1 for _ in open(path)) >= n:
+            return
+        time.sleep(0.01)

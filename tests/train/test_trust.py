@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.train.runs import cli_args, config, losses
+from tests.train.runs import cli_args, config, losses, wait_for_rows
 from topkd.base.files import file_sha256
 from topkd.train import checkpoint as ckpt
 from topkd.train import train
@@ -180,14 +180,6 @@ def test_metrics_rows_carry_the_epoch_and_a_multi_epoch_run_warns(built_cache, t
     assert "epochs over the 37 samples" in err and "below --warmup-steps 5" in err
 
 
-def _wait_for_rows(path, n, proc, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if path.exists() and sum(1 for _ in open(path)) >= n:
-            return
-        time.sleep(0.01)
-
-
 @pytest.fixture(scope="module")
 def reference_losses(built_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "run"
@@ -207,7 +199,7 @@ def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for_rows(run / "metrics.jsonl", 5, proc)
+    wait_for_rows(run / "metrics.jsonl", 5, proc)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, err[-2000:]
@@ -326,7 +318,7 @@ def test_a_second_train_on_a_running_out_is_refused_and_the_first_goes_on(built_
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for_rows(run / "metrics.jsonl", 2, first)
+    wait_for_rows(run / "metrics.jsonl", 2, first)
     second = subprocess.run(
         cli_args(built_cache, run, 100_000), env=ENV, capture_output=True, text=True
     )

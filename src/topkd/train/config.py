@@ -60,6 +60,11 @@ class TrainConfig:
     merge: bool = False
     report_to: str = "none"
     fold_beyond_vocab: bool = False
+    on_policy: bool = False
+    on_policy_fraction: float = 1.0
+    max_new_tokens: int = 64
+    sampling_temperature: float = 1.0
+    sampling_top_p: float = 1.0
 
 
 TRAIN_HELP = {
@@ -112,6 +117,15 @@ TRAIN_HELP = {
     "merge": "with --lora-rank: also fold the adapters into the weights and write that model to final/",
     "fold_beyond_vocab": "a student head smaller than the cache's teacher ids: fold the teacher's mass on ids "
     "beyond it into the tail bucket (exact in the bucket loss) instead of refusing the student",
+    "on_policy": "online mode on chat --data: the student writes each assistant turn, the teacher scores it in "
+    "memory, and only the written tokens train (topkd/train/on_policy.py); --divergence reverse_kl is the "
+    "on-policy distillation recipe, kl / jsd GKD's",
+    "on_policy_fraction": "--on-policy: the share of steps that are on-policy (seeded per step); the rest train "
+    "on the data's own replies, as GKD's lmbda (0: online training exactly)",
+    "max_new_tokens": "--on-policy: tokens the student may write per turn (prompts longer than --seq-len minus "
+    "this are left out)",
+    "sampling_temperature": "--on-policy: the student's sampling temperature (0: greedy)",
+    "sampling_top_p": "--on-policy: nucleus sampling of the student's completions (1: off)",
     "report_to": "none | tensorboard (event files in OUT/tensorboard) | wandb (offline unless WANDB_MODE says "
     "otherwise), beside metrics.jsonl",
 }
@@ -218,6 +232,7 @@ def check_config(cfg: TrainConfig) -> None:
     counts = ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k", "top_k")
     require_ints(cfg, (*counts, "max_sequences", "loader_workers"), 0)
     check_lora_and_reporting(cfg)
+    check_on_policy(cfg)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
         raise ValueError(
             f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "
@@ -251,6 +266,41 @@ def _check_modes(cfg: TrainConfig) -> None:
         )
     if cfg.init_from_teacher and cfg.layers < 1:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
+
+
+ON_POLICY_FLAGS = ("on_policy_fraction", "max_new_tokens", "sampling_temperature", "sampling_top_p")
+
+
+def check_on_policy(cfg: TrainConfig) -> None:
+    """--on-policy's own flags: refused without it (they would be ignored); with it, the mode they need."""
+    defaults = TrainConfig()
+    if not cfg.on_policy:
+        for name in ON_POLICY_FLAGS:
+            if getattr(cfg, name) != getattr(defaults, name):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag}: expected only with --on-policy, got {flag} {getattr(cfg, name)} without it, "
+                    f"which would ignore it; drop {flag}, or add --on-policy"
+                )
+        return
+    if not cfg.teacher or cfg.objective != "kd":
+        raise ValueError(
+            f"--on-policy: expected online mode (--teacher, which scores the student's completions in memory, "
+            f"and --data chat JSONL) and --objective kd, got teacher={cfg.teacher!r} cache={cfg.cache!r} "
+            f"objective={cfg.objective!r}; pass --teacher and --data instead of --cache"
+        )
+    require_ints(cfg, ("max_new_tokens",), 1)
+    if not (
+        0 <= cfg.on_policy_fraction <= 1
+        and cfg.sampling_temperature >= 0
+        and 0 < cfg.sampling_top_p <= 1
+        and cfg.max_new_tokens < cfg.seq_len
+    ):
+        raise ValueError(
+            f"--on-policy: expected 0 <= --on-policy-fraction <= 1, --sampling-temperature >= 0, "
+            f"0 < --sampling-top-p <= 1 and --max-new-tokens below --seq-len, got {cfg.on_policy_fraction}, "
+            f"{cfg.sampling_temperature}, {cfg.sampling_top_p}, {cfg.max_new_tokens} and --seq-len {cfg.seq_len}"
+        )
 
 
 def check_lora_and_reporting(cfg: TrainConfig) -> None:

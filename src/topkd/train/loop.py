@@ -114,14 +114,19 @@ def run_steps(run: Run, resumed: bool) -> dict:
         unit="step",
         disable=rank != 0,
     )
-    steps = step_loader(run, workers=0 if cfg.teacher else cfg.loader_workers)
+    # on-policy steps are made from the student of that step: none can be made ahead
+    steps = (
+        None
+        if cfg.on_policy
+        else step_loader(run, workers=0 if cfg.teacher else cfg.loader_workers)
+    )
     reporter = open_reporter(
         cfg.report_to if rank == 0 else "none", cfg.out, asdict(cfg), state["step"]
     )
     try:
         with stop_requests() as stop, contextlib.closing(reporter):
             while state["step"] < cfg.steps:
-                row = train_step(run, micro=next(steps))
+                row = train_step(run, micro=None if steps is None else next(steps))
                 _record(row, run.metrics_path if rank == 0 else None, reporter, bar)
                 signum = int(dist.all_max(float(stop.signum)))  # every rank stops at the same step
                 if signum:
@@ -217,7 +222,8 @@ def train_step(run: Run, micro: list[dict] | None = None) -> dict:
     device = next(module.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # peak_gib is this step's
-    micro = [_to(b, device) for b in (micro or step_batches(run.stream, cfg, state["samples"]))]
+    micro, made = (micro, {}) if micro else step_inputs(run)
+    micro = [_to(b, device) for b in micro]
     tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
     total, kd_sum, ce_sum = _backward(module, micro, cfg, device, tokens)
@@ -229,7 +235,7 @@ def train_step(run: Run, micro: list[dict] | None = None) -> dict:
     run.scheduler.step()
     epoch = state["samples"] // run.stream.per_epoch
     state["step"] += 1
-    state["samples"] += cfg.batch_size * cfg.grad_accum * world
+    state["prompts" if made else "samples"] += cfg.batch_size * cfg.grad_accum * world
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the optimizer step's kernels are part of the step's time
     seconds = time.perf_counter() - start
@@ -249,6 +255,35 @@ def train_step(run: Run, micro: list[dict] | None = None) -> dict:
         "peak_gib": dist.all_max(process_peak_bytes(device) / 2**30),
         **_reserved_gib(device),
         **({} if finite else {"skipped": True}),
+        **_on_policy_metrics(made, seconds),
+    }
+
+
+def step_inputs(run: Run) -> tuple[list[dict], dict]:
+    """This rank's micro-batches of the step, read from the stream, or (an on-policy step) written by the
+    student and scored by the teacher; and for the latter what making them took ({} for the former)."""
+    cfg, state = run.cfg, run.state
+    if run.on_policy is None or not run.on_policy.chooses(state["step"]):
+        return step_batches(run.stream, cfg, state["samples"]), {}
+    model = run.module.model
+    world, rank = dist.world(), dist.rank()
+    return run.on_policy.step_batches(
+        model, state["prompts"], state["step"], cfg.grad_accum, cfg.batch_size, world, rank
+    )
+
+
+def _on_policy_metrics(made: dict, seconds: float) -> dict:
+    """An on-policy step's row: generation and scoring apart from the update, what the student wrote, and the
+    loss on its own samples (the teacher's reverse KL there, with --divergence reverse_kl)."""
+    if not made:
+        return {}
+    return {
+        "on_policy": True,
+        "generate_s": made["generate_s"],
+        "score_s": made["score_s"],
+        "update_s": seconds - made["generate_s"] - made["score_s"],
+        "generated_tokens": made["generated_tokens"],
+        "completion_len": made["generated_tokens"] / max(made["completions"], 1),
     }
 
 

@@ -119,27 +119,32 @@ class OnlineTeacher:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         seq = self.sequences[i]
-        ids = torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64))[None].to(
-            self.teacher.model.device
-        )
-        pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(ids.device)
-        # top-K rows through the TeacherEngine interface, as the cache build
-        temps = tuple(self.temperatures)
-        rows = (
-            self.teacher.sequence_rows([seq], self.k, temps, 1)[0]
-            if self.k
-            else self._full_rows(ids, pos, temps)
-        )
+        rows = self.rows([seq])[0]
         # chat: as the cache
         mask = {} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}
         return {
-            "input_ids": ids[0].cpu(),
+            "input_ids": torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64)),
             "teacher_ids": torch.as_tensor(rows.ids),
             "teacher_logprobs": torch.as_tensor(rows.logprobs),
             "logz": torch.as_tensor(rows.logz),
             "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)),
             **mask,
         }
+
+    def rows(self, sequences: list) -> list[EngineRows]:
+        """The teacher's rows of packed sequences (topkd.data.documents.Sequence): its top k through the
+        TeacherEngine interface, as the cache build takes them (equal lengths in one batch), or k = 0 the whole
+        distribution."""
+        temps = tuple(self.temperatures)
+        if self.k:
+            return self.teacher.sequence_rows(sequences, self.k, temps, len(sequences))
+        device = self.teacher.model.device
+        out = []
+        for seq in sequences:
+            ids = torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64))[None].to(device)
+            pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(device)
+            out.append(self._full_rows(ids, pos, temps))
+        return out
 
     @torch.no_grad()  # not inference_mode: these rows go into the autograd graph of the student's loss
     def _full_rows(

@@ -22,6 +22,7 @@ from topkd.data.samples import SampleStream, logz_column
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_paths, loss_options
 from topkd.train.lora import save_lora_student
+from topkd.train.on_policy import OnPolicy, open_on_policy
 from topkd.train.optim import lr_factor, make_optimizer
 from topkd.train.parallel import full_state_dict, shard_student
 from topkd.train.sources import check_source, open_source
@@ -41,7 +42,9 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     student: Student | None = None
     world: int = 1
-    state: dict = field(default_factory=lambda: {"step": 0, "samples": 0})
+    # counters: optimizer steps, offline samples and on-policy prompts consumed
+    state: dict = field(default_factory=lambda: {"step": 0, "samples": 0, "prompts": 0})
+    on_policy: OnPolicy | None = None  # --on-policy: its prompts and settings
 
     @property
     def metrics_path(self) -> str:
@@ -92,7 +95,17 @@ def open_run(cfg: TrainConfig, device: str, world: int) -> Run:
         # any fp32 GEMM left (a fp32 run's body) on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = True
     optimizer, scheduler = make_optimizer(module, cfg)
-    return Run(cfg, module, stream, optimizer, scheduler, student, world)
+    on_policy = None
+    if cfg.on_policy:
+        if (
+            world > 1
+        ):  # FSDP2's collectives need every rank to run as many forwards: generations differ in length
+            raise ValueError(
+                f"--on-policy: expected one process, got {world} under torchrun; run it as one process "
+                "(one GPU) for now"
+            )
+        on_policy = open_on_policy(cfg, source, column)
+    return Run(cfg, module, stream, optimizer, scheduler, student, world, on_policy=on_policy)
 
 
 def save_final(run: Run) -> None:
@@ -117,9 +130,16 @@ def save_final(run: Run) -> None:
 def warn_about_schedule(run: Run) -> None:
     """Say so when the run repeats the data or never leaves warmup: both are legal, neither is usually meant."""
     cfg, stream = run.cfg, run.stream
-    samples = cfg.steps * run.samples_per_step
+    share = run.on_policy.fraction if run.on_policy else 0.0  # of the steps that write their own samples
+    samples = round(cfg.steps * run.samples_per_step * (1 - share))
     if dist.rank() != 0:
         return
+    if run.on_policy and cfg.steps * run.samples_per_step * share > len(run.on_policy.prompts):
+        _warn(
+            f"about {cfg.steps * share:.0f} on-policy steps x {run.samples_per_step} prompts, over "
+            f"{len(run.on_policy.prompts)} prompts: the student completes some prompts more than once (fresh "
+            "samples each time)"
+        )
     if samples > stream.per_epoch:
         _warn(
             f"{cfg.steps} steps x {run.samples_per_step} samples = {samples} samples, "
