@@ -28,11 +28,14 @@ from topkd.base.checks import (
 from topkd.base.progress import wrote
 from topkd.cache import TopKCache
 from topkd.cache.building.compat import tokenizer_mismatch
+from topkd.data.prompts import chat_prompts, end_of_turn_ids
 from topkd.eval.choice import evaluate_choices, load_choice_file
+from topkd.eval.completions import evaluate_completions
 from topkd.eval.tail import reliability_plot
 from topkd.eval.text import evaluate_text
 from topkd.eval.vs_cache import evaluate_vs_cache
 from topkd.models import load_causal_lm
+from topkd.models.generate import GenerationSettings
 
 
 @dataclass
@@ -49,6 +52,9 @@ class EvalConfig:
     lm_eval_include: str = ""
     fold_beyond_vocab: bool = False
     teacher: str = ""
+    prompts: list[str] = field(default_factory=list)
+    max_new_tokens: int = 64
+    max_prompts: int = 0
     reliability: str = ""
     dtype: str = "float32"
     device: str = "cpu"
@@ -71,6 +77,11 @@ EVAL_HELP = {
     "--fold-beyond-vocab) with those ids in the tail, as it was trained",
     "teacher": "--text: the teacher as well (a local HF directory or .gguf, same tokenizer): full-vocabulary "
     "KL(teacher || model), TVD and speculative acceptance per scored token, which no top-K cache shows",
+    "prompts": "with --teacher: chat JSONL whose conversations the model completes (each assistant turn), greedy "
+    "and sampled; the teacher's full-vocabulary reverse KL per token on those completions (what on-policy "
+    "distillation optimises) and their mean length",
+    "max_new_tokens": "--prompts: tokens the model may write per turn",
+    "max_prompts": "--prompts: only the first this many prompts (0: all)",
     "reliability": "--text: write the reliability diagram of the model's top-1 (calibration, ECE) as a PNG here",
     "dtype": "model weights dtype: float32 | bfloat16 | float16",
     "device": "cpu | cuda",
@@ -83,17 +94,24 @@ def check_config(cfg: EvalConfig) -> None:
     """Every flag, before the model is loaded: something to evaluate, paths that exist, ranges, the device."""
     if not cfg.model:
         raise ValueError("expected --model (a local HF directory or .gguf file), got none")
-    if not (cfg.text or cfg.cache or cfg.choices or cfg.lm_eval):
-        raise ValueError("expected something to evaluate: --text, --cache, --choices or --lm-eval")
+    if not (cfg.text or cfg.cache or cfg.choices or cfg.lm_eval or cfg.prompts):
+        raise ValueError(
+            "expected something to evaluate: --text, --cache, --choices, --prompts or --lm-eval"
+        )
     require_path("--model", cfg.model)
-    for path in cfg.text + cfg.choices:
-        require_path("--text/--choices", path, "file")
+    for path in cfg.text + cfg.choices + cfg.prompts:
+        require_path("--text/--choices/--prompts", path, "file")
     if cfg.cache:
         require_path("--cache", cfg.cache, "dir")
-    if (cfg.teacher or cfg.reliability) and not cfg.text:
+    if (cfg.teacher and not (cfg.text or cfg.prompts)) or (cfg.reliability and not cfg.text):
         raise ValueError(
-            f"--teacher and --reliability go with --text (held-out text both models read), got "
-            f"teacher={cfg.teacher!r} reliability={cfg.reliability!r} and no --text; add --text FILES"
+            f"--teacher and --reliability go with --text (held-out text both models read; --teacher also "
+            f"with --prompts), got teacher={cfg.teacher!r} reliability={cfg.reliability!r} and no --text; add "
+            "--text FILES"
+        )
+    if cfg.prompts and not cfg.teacher:
+        raise ValueError(
+            "--prompts: expected --teacher, which scores the model's completions, got none; add --teacher DIR"
         )
     if cfg.teacher:
         require_path("--teacher", cfg.teacher)
@@ -101,7 +119,8 @@ def check_config(cfg: EvalConfig) -> None:
         if path:
             require_writable(flag, path)
     require_ints(cfg, ("seq_len",), 2)
-    require_ints(cfg, ("limit", "max_tokens", "max_sequences"), 0)
+    require_ints(cfg, ("limit", "max_tokens", "max_sequences", "max_prompts"), 0)
+    require_ints(cfg, ("max_new_tokens",), 1)
     require_dtype(cfg.dtype)
     require_device(cfg.device)
 
@@ -114,6 +133,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     result = {"model": cfg.name or cfg.model}
     if cfg.text:
         result["text"] = _score_text(cfg, model, tokenizer)
+    if cfg.prompts:
+        for name, scores in _score_completions(cfg, model, tokenizer).items():
+            result[f"completions:{name}"] = scores
     if cfg.cache:
         cache = TopKCache(cfg.cache)
         rows = model.get_output_embeddings().weight.shape[0]
@@ -150,6 +172,23 @@ def _score_text(cfg: EvalConfig, model, tokenizer) -> dict:
             {"ece": scores["ece"], "bins": scores["calibration"]}, cfg.reliability, name
         )
         wrote("eval", f"the reliability diagram to {cfg.reliability}")
+    return scores
+
+
+def _score_completions(cfg: EvalConfig, model, tokenizer) -> dict:
+    """--prompts: the model's greedy and sampled completions, scored by the teacher (topkd/eval/completions.py)."""
+    teacher = load_teacher_for(cfg, tokenizer)
+    prompts = chat_prompts(cfg.prompts, tokenizer, cfg.seq_len - cfg.max_new_tokens)
+    prompts = prompts[: cfg.max_prompts or None]
+    stop = end_of_turn_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
+    scores = {}
+    for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        settings = GenerationSettings(cfg.max_new_tokens, temperature)
+        scores[name] = evaluate_completions(model, teacher, prompts, settings, stop, pad)
+        for example in scores[name]["examples"]:  # as text, for the report
+            example["prompt"] = tokenizer.decode(example["prompt"])[-200:]
+            example["completion"] = tokenizer.decode(example["completion"])
     return scores
 
 
@@ -229,6 +268,10 @@ ROWS = [
     ("vs_teacher", "top1_agreement", "top-1 agree"),
     ("vs_teacher", "student_mass_on_topk", "mass on top-K"),
     ("vs_teacher", "acceptance_upper_bound", "accept <= (cache)"),
+    ("completions:greedy", "reverse_kl", "rKL own greedy"),
+    ("completions:greedy", "completion_len", "len own greedy"),
+    ("completions:sampled", "reverse_kl", "rKL own sampled"),
+    ("completions:sampled", "completion_len", "len own sampled"),
 ]
 
 

@@ -25,7 +25,7 @@ import torch
 from topkd.data.documents import Sequence
 from topkd.data.prompts import chat_prompts, end_of_turn_ids
 from topkd.data.samples import collate
-from topkd.train.generate import GenerationSettings, generate
+from topkd.models.generate import GenerationSettings, generate
 from topkd.train.online import OnlineTeacher
 
 

@@ -130,7 +130,8 @@ def save_final(run: Run) -> None:
 def warn_about_schedule(run: Run) -> None:
     """Say so when the run repeats the data or never leaves warmup: both are legal, neither is usually meant."""
     cfg, stream = run.cfg, run.stream
-    share = run.on_policy.fraction if run.on_policy else 0.0  # of the steps that write their own samples
+    # the share of steps whose samples the student writes itself
+    share = run.on_policy.fraction if run.on_policy else 0.0
     samples = round(cfg.steps * run.samples_per_step * (1 - share))
     if dist.rank() != 0:
         return

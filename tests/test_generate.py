@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from topkd.train.generate import GenerationSettings, _through_stop, generate
+from topkd.models.generate import GenerationSettings, _through_stop, generate
 
 PROMPTS = [np.array([5, 6, 7, 8, 9, 10, 11]), np.array([3, 4]), np.array([12, 13, 14, 15])]
 

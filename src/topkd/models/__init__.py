@@ -5,7 +5,8 @@
     weight, bias, softcap = model_head(model)                              # what every projection needs
 
 One home for what the cache build (the teacher), training (the student) and evaluation (any model) all
-do with a model. final_hidden runs under whatever grad mode the caller chose.
+do with a model (topkd.models.generate: a model's completions of prompts, for on-policy training and eval).
+final_hidden runs under whatever grad mode the caller chose.
 """
 
 from __future__ import annotations
