@@ -158,7 +158,7 @@ def test_version():
         ),
         (
             ["eval", "--model", "TEACHER", "--text", "nope.txt"],
-            "--text/--choices: expected an existing file",
+            "--text/--choices/--prompts: expected an existing file",
         ),
         (
             ["eval", "--model", "TEACHER", "--text", "TEXT", "--seq-len", "1"],

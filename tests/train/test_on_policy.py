@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import cache_config
 from tests.train.runs import wait_for_rows
+from topkd.cache import build
 from topkd.train import TrainConfig, train
 from topkd.train.on_policy import completion_item
 from topkd.train.run import open_run
@@ -109,6 +111,74 @@ def test_a_fraction_mixes_seeded_steps_with_offline_ones(chat_teacher_dir, chats
             assert r["completion_len"] == r["generated_tokens"] / 2
 
 
+@pytest.fixture(scope="module")
+def chat_cache(chat_teacher_dir, chats_file, tmp_path_factory):
+    """The chat teacher's top-16 cache of the same conversations (what --cache mixes in)."""
+    out = tmp_path_factory.mktemp("chat-cache") / "cache"
+    build(cache_config(chat_teacher_dir, chats_file, out, seq_len=96, temperatures=[]))
+    return str(out)
+
+
+def test_fraction_zero_with_a_cache_is_offline_training_exactly(
+    chat_teacher_dir, chats_file, chat_cache, tmp_path
+):
+    offline = {k: v for k, v in COMMON.items() if k not in ("online_k", "seq_len")}
+    train(TrainConfig(cache=chat_cache, out=str(tmp_path / "a"), **offline))
+    mixed = config(
+        chat_teacher_dir,
+        chats_file,
+        tmp_path / "b",
+        cache=chat_cache,
+        on_policy_fraction=0.0,
+        divergence="kl",
+        seq_len=0,
+    )
+    train(mixed)
+    a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and not any("on_policy" in r for r in b)
+
+
+def test_a_fraction_mixes_on_policy_steps_with_the_caches(
+    chat_teacher_dir, chats_file, chat_cache, tmp_path
+):
+    cfg = config(
+        chat_teacher_dir,
+        chats_file,
+        tmp_path / "run",
+        cache=chat_cache,
+        on_policy_fraction=0.5,
+        steps=8,
+        seq_len=0,  # the cache's 96
+    )
+    train(cfg)
+    got = [bool(r.get("on_policy")) for r in rows(tmp_path / "run")]
+    run = open_run(cfg, "cpu", 1)
+    assert got == [run.on_policy.chooses(step) for step in range(8)] and 0 < sum(got) < 8
+    assert (
+        run.on_policy.teacher is not run.stream.source
+    )  # the teacher scores; the cache feeds the rest
+    state = json.load(open(tmp_path / "run" / "final" / "config.json"))  # a student was saved
+    assert state["vocab_size"] == run.stream.source.vocab_size
+
+
+def test_a_teacher_with_other_ids_than_the_caches_is_refused(
+    chat_teacher_dir, chats_file, chat_cache, tmp_path
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    other = str(tmp_path / "other-teacher")  # the chat teacher and one more special token
+    tok = AutoTokenizer.from_pretrained(chat_teacher_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|x|>"]})
+    model = AutoModelForCausalLM.from_pretrained(chat_teacher_dir)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(
+        ValueError, match="expected the tokenizer and vocabulary of the teacher that"
+    ):
+        train(config(other, chats_file, tmp_path / "run", cache=chat_cache, seq_len=0))
+
+
 def _cli(chat_teacher_dir, chats_file, out, steps):
     return [
         sys.executable,
@@ -171,7 +241,7 @@ def test_a_killed_on_policy_run_resumes_bit_identically(chat_teacher_dir, chats_
             {"on_policy": False, "max_new_tokens": 8},
             "--max-new-tokens: expected only with --on-policy, got --max-new-tokens 8 without it",
         ),
-        ({"objective": "ce"}, "--on-policy: expected online mode .* and --objective kd"),
+        ({"objective": "ce"}, "--on-policy: expected --teacher .* and --objective kd"),
         ({"on_policy_fraction": 1.5}, "expected 0 <= --on-policy-fraction <= 1"),
         ({"max_new_tokens": 96}, "--max-new-tokens below --seq-len, got .* 96 and --seq-len 96"),
     ],

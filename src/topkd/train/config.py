@@ -121,7 +121,7 @@ TRAIN_HELP = {
     "memory, and only the written tokens train (topkd/train/on_policy.py); --divergence reverse_kl is the "
     "on-policy distillation recipe, kl / jsd GKD's",
     "on_policy_fraction": "--on-policy: the share of steps that are on-policy (seeded per step); the rest train "
-    "on the data's own replies, as GKD's lmbda (0: online training exactly)",
+    "on the data's own replies (read from --cache when given), as GKD's lmbda (0: offline training exactly)",
     "max_new_tokens": "--on-policy: tokens the student may write per turn (prompts longer than --seq-len minus "
     "this are left out)",
     "sampling_temperature": "--on-policy: the student's sampling temperature (0: greedy)",
@@ -242,22 +242,25 @@ def check_config(cfg: TrainConfig) -> None:
 
 def _check_modes(cfg: TrainConfig) -> None:
     """Offline (--cache) or online (--teacher, --data), and a student from --student or the teacher's layers."""
-    if bool(cfg.cache) == bool(cfg.teacher) or not cfg.out:
+    both = (
+        cfg.on_policy and cfg.cache and cfg.teacher
+    )  # offline steps from the cache, the teacher scores
+    if (bool(cfg.cache) == bool(cfg.teacher) and not both) or not cfg.out:
         raise ValueError(
-            f"expected --out and exactly one of --cache (offline) or --teacher (online), got "
-            f"cache={cfg.cache!r} teacher={cfg.teacher!r} out={cfg.out!r}"
+            f"expected --out and exactly one of --cache (offline) or --teacher (online), or both with "
+            f"--on-policy, got cache={cfg.cache!r} teacher={cfg.teacher!r} out={cfg.out!r}"
         )
-    if cfg.teacher and (not cfg.data or cfg.seq_len < 2):
+    if cfg.teacher and (not cfg.data or (cfg.seq_len < 2 and not cfg.cache)):
         raise ValueError(
             f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
             f"seq_len={cfg.seq_len}"
         )
     check_train_on(cfg.train_on)
-    if cfg.cache and (cfg.data or cfg.online_k or cfg.max_sequences):
+    if cfg.cache and (((cfg.data or cfg.online_k) and not both) or cfg.max_sequences):
         raise ValueError(
             f"--data, --online-k and --max-sequences belong to online mode (--teacher); with --cache "
             f"the data is the cache's, got data={cfg.data} online_k={cfg.online_k} "
-            f"max_sequences={cfg.max_sequences}"
+            f"max_sequences={cfg.max_sequences}; with --on-policy --teacher T, --data holds the prompts"
         )
     if bool(cfg.student) == cfg.init_from_teacher:
         raise ValueError(
@@ -283,18 +286,18 @@ def check_on_policy(cfg: TrainConfig) -> None:
                     f"which would ignore it; drop {flag}, or add --on-policy"
                 )
         return
-    if not cfg.teacher or cfg.objective != "kd":
+    if not cfg.teacher or not cfg.data or cfg.objective != "kd":
         raise ValueError(
-            f"--on-policy: expected online mode (--teacher, which scores the student's completions in memory, "
-            f"and --data chat JSONL) and --objective kd, got teacher={cfg.teacher!r} cache={cfg.cache!r} "
-            f"objective={cfg.objective!r}; pass --teacher and --data instead of --cache"
+            f"--on-policy: expected --teacher (which scores the student's completions in memory), --data "
+            f"(chat JSONL: the prompts) and --objective kd, got teacher={cfg.teacher!r} data={cfg.data} "
+            f"objective={cfg.objective!r}; pass --teacher and --data (and --cache for its offline steps)"
         )
     require_ints(cfg, ("max_new_tokens",), 1)
     if not (
         0 <= cfg.on_policy_fraction <= 1
         and cfg.sampling_temperature >= 0
         and 0 < cfg.sampling_top_p <= 1
-        and cfg.max_new_tokens < cfg.seq_len
+        and (cfg.max_new_tokens < cfg.seq_len or (cfg.cache and not cfg.seq_len))  # 0: the cache's
     ):
         raise ValueError(
             f"--on-policy: expected 0 <= --on-policy-fraction <= 1, --sampling-temperature >= 0, "

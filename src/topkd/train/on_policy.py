@@ -11,7 +11,8 @@ when token j + 1 is one the student wrote. With --divergence reverse_kl that is 
 teacher on the student's own samples (the on-policy distillation recipe, here exact over the teacher's rows and
 its tail bucket instead of one sampled token); kl and jsd --beta are GKD's. --on-policy-fraction λ makes a step
 on-policy with probability λ (seeded by the step: a resumed run makes the same choices) and otherwise takes the
-offline batch (the teacher on the data's own replies), as GKD's lmbda; λ = 0 is online training exactly.
+offline batch (the teacher on the data's own replies, or with --cache beside --teacher the cache's next samples),
+as GKD's lmbda; λ = 0 is online (or offline) training exactly.
 """
 
 from __future__ import annotations
@@ -117,8 +118,13 @@ def completion_item(tokens: np.ndarray, prompt_len: int, rows, logz_column: int 
 def open_on_policy(cfg, source: OnlineTeacher, logz_column: int | None) -> OnPolicy:
     """The run's on-policy side: its prompts (those that leave room for --max-new-tokens in --seq-len)."""
     tokenizer = source.teacher.tokenizer
+    if cfg.max_new_tokens >= source.seq_len:
+        raise ValueError(
+            f"--max-new-tokens: expected fewer than the {source.seq_len} tokens of a sample (--seq-len, or the "
+            f"cache's), got {cfg.max_new_tokens}; lower it, or raise --seq-len"
+        )
     prompts = chat_prompts(
-        cfg.data, tokenizer, cfg.seq_len - cfg.max_new_tokens, cfg.messages_field
+        cfg.data, tokenizer, source.seq_len - cfg.max_new_tokens, cfg.messages_field
     )
     settings = GenerationSettings(cfg.max_new_tokens, cfg.sampling_temperature, cfg.sampling_top_p)
     stop = end_of_turn_ids(tokenizer)

@@ -25,7 +25,7 @@ from topkd.train.lora import save_lora_student
 from topkd.train.on_policy import OnPolicy, open_on_policy
 from topkd.train.optim import lr_factor, make_optimizer
 from topkd.train.parallel import full_state_dict, shard_student
-from topkd.train.sources import check_source, open_source
+from topkd.train.sources import check_source, open_scorer, open_source
 from topkd.train.student import KDStudent, Student, load_student
 
 
@@ -76,6 +76,7 @@ def open_run(cfg: TrainConfig, device: str, world: int) -> Run:
     source = open_source(cfg, device)
     check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
     check_source(cfg, source)
+    scorer = open_scorer(cfg, device, source, world) if cfg.on_policy else None
     student = load_student(cfg, source)
     options = loss_options(cfg)
     column = logz_column(source, options.logz_temperature)
@@ -96,15 +97,8 @@ def open_run(cfg: TrainConfig, device: str, world: int) -> Run:
         torch.backends.cuda.matmul.allow_tf32 = True
     optimizer, scheduler = make_optimizer(module, cfg)
     on_policy = None
-    if cfg.on_policy:
-        if (
-            world > 1
-        ):  # FSDP2's collectives need every rank to run as many forwards: generations differ in length
-            raise ValueError(
-                f"--on-policy: expected one process, got {world} under torchrun; run it as one process "
-                "(one GPU) for now"
-            )
-        on_policy = open_on_policy(cfg, source, column)
+    if scorer is not None:
+        on_policy = open_on_policy(cfg, scorer, logz_column(scorer, options.logz_temperature))
     return Run(cfg, module, stream, optimizer, scheduler, student, world, on_policy=on_policy)
 
 

@@ -1,6 +1,7 @@
 """Where `topkd train`'s teacher rows come from, and what the run may ask of them.
 
     source = open_source(cfg, device)      # the cache (offline) or the teacher run in memory (online)
+    scorer = open_scorer(cfg, device, source)   # --on-policy: the teacher that scores the student's turns
     check_source(cfg, source)              # --top-k, sampled targets and counted rows, before a student loads
 
 Both kinds are a topkd.data.samples.SequenceSource.
@@ -9,7 +10,7 @@ Both kinds are a topkd.data.samples.SequenceSource.
 from __future__ import annotations
 
 from topkd.cache import TopKCache
-from topkd.cache.building.teacher import load_teacher
+from topkd.cache.building.teacher import load_teacher, tokenizer_hash
 from topkd.data.samples import SequenceSource
 from topkd.train.config import TrainConfig, loss_options
 from topkd.train.online import OnlineTeacher
@@ -19,11 +20,39 @@ def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
     """Where teacher rows come from: the cache (offline) or the teacher run in memory (online)."""
     if cfg.cache:
         return TopKCache(cfg.cache)
+    return _online_teacher(cfg, device, cfg.seq_len)
+
+
+def open_scorer(cfg: TrainConfig, device: str, source: SequenceSource, world: int) -> OnlineTeacher:
+    """--on-policy's teacher, which scores the student's completions: the online source itself, or (--cache
+    beside --teacher) the teacher loaded apart, refused unless it gives the cache's ids (its tokenizer and
+    vocabulary), since its rows and the cache's train one student side by side."""
+    if (
+        world > 1
+    ):  # FSDP2's collectives need every rank to run as many forwards: generations differ in length
+        raise ValueError(
+            f"--on-policy: expected one process, got {world} under torchrun; run it as one process "
+            "(one GPU) for now"
+        )
+    if isinstance(source, OnlineTeacher):
+        return source
+    scorer = _online_teacher(cfg, device, cfg.seq_len or source.seq_len)
+    ours, cached = tokenizer_hash(scorer.teacher.tokenizer), source.fingerprint["tokenizer_sha256"]
+    if ours != cached or scorer.vocab_size != source.vocab_size:
+        raise ValueError(
+            f"--teacher {cfg.teacher}: expected the tokenizer and vocabulary of the teacher that built --cache "
+            f"{cfg.cache} (sha256 {cached[:12]}, {source.vocab_size} ids), got sha256 {ours[:12]} and "
+            f"{scorer.vocab_size} ids; pass that teacher (or a cache built from this one)"
+        )
+    return scorer
+
+
+def _online_teacher(cfg: TrainConfig, device: str, seq_len: int) -> OnlineTeacher:
     temperatures = [cfg.temperature] if loss_options(cfg).needs_logz else []
     return OnlineTeacher(
         load_teacher(cfg.teacher, device=device),
         cfg.data,
-        cfg.seq_len,
+        seq_len,
         cfg.online_k,
         temperatures,
         cfg.text_field,
