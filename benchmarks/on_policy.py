@@ -37,13 +37,19 @@ from topkd.demo.run import hf_teacher, save_cut_student, split_texts
 from topkd.eval import EvalConfig, run_eval
 
 ON_POLICY = ["--online-k", "100", "--max-new-tokens", "64"]
-ARMS = {  # name: stages of (cache name or None for on-policy, train flags, share of the steps)
-    "ce": [("top-100", ["--objective", "ce"], 1.0)],
-    "top-100 KD": [("top-100", [], 1.0)],
-    "sampled N=100 KD": [("sampled-100", [], 1.0)],
-    "on-policy reverse KL": [(None, ["--divergence", "reverse_kl"], 1.0)],
-    "on-policy JSD": [(None, ["--divergence", "jsd", "--beta", "0.5"], 1.0)],
-    "offline -> on-policy": [("top-100", [], 0.5), (None, ["--divergence", "reverse_kl"], 0.5)],
+MIX = ["--on-policy-fraction", "0.5", "--divergence", "reverse_kl"]
+# name: stages of (cache name or None, on-policy?, train flags, share of the steps)
+ARMS = {
+    "ce": [("top-100", False, ["--objective", "ce"], 1.0)],
+    "top-100 KD": [("top-100", False, [], 1.0)],
+    "sampled N=100 KD": [("sampled-100", False, [], 1.0)],
+    "on-policy reverse KL": [(None, True, ["--divergence", "reverse_kl"], 1.0)],
+    "on-policy JSD": [(None, True, ["--divergence", "jsd", "--beta", "0.5"], 1.0)],
+    "offline -> on-policy": [
+        ("top-100", False, [], 0.5),
+        (None, True, ["--divergence", "reverse_kl"], 0.5),
+    ],
+    "lambda 0.5 (top-100 cache)": [("top-100", True, MIX, 1.0)],
 }
 SETTING = ("steps", "seq_len", "chat", "sequences", "heldout_prompts")
 METRICS = (
@@ -54,6 +60,9 @@ METRICS = (
     "len_greedy",
     "len_sampled",
     "train_s",
+    "generate_s",
+    "score_s",
+    "update_s",
 )
 
 
@@ -61,11 +70,10 @@ def train_stage(args, out: str, init: str, stage: tuple, steps: int, seed: int, 
     """One `topkd train` process (resumes from its checkpoint; skipped once it wrote final/)."""
     if os.path.exists(os.path.join(out, "final", "config.json")):
         return
-    cache, flags, _ = stage
-    if cache:
-        source = ["--cache", cache_info(args, cache, args.teacher_dir, [data])["path"]]
-    else:
-        source = ["--on-policy", "--teacher", args.teacher_dir, "--data", data, *ON_POLICY]
+    cache, on_policy, flags, _ = stage
+    source = ["--cache", cache_info(args, cache, args.teacher_dir, [data])["path"]] if cache else []
+    if on_policy:
+        source += ["--on-policy", "--teacher", args.teacher_dir, "--data", data, *ON_POLICY]
         source += ["--seq-len", str(args.seq_len)]
     schedule = ["--steps", str(steps), "--batch-size", "4", "--lr", "5e-4", "--warmup-steps", "8"]
     schedule += ["--checkpoint-every", "16", "--seed", str(seed)]
@@ -79,7 +87,7 @@ def train_arm(args, name: str, seed: int, data: str, init: str) -> list[str]:
     runs, student = [], init
     for i, stage in enumerate(ARMS[name]):
         out = os.path.join(args.work, "runs", f"{slug(name)}-seed{seed}" + (f"-{i}" if i else ""))
-        train_stage(args, out, student, stage, round(args.steps * stage[2]), seed, data)
+        train_stage(args, out, student, stage, round(args.steps * stage[3]), seed, data)
         runs.append(out)
         student = os.path.join(out, "final")
     return runs
@@ -119,7 +127,7 @@ def score(args, runs: list[str], heldout: str) -> dict:
         "len_sampled": sampled["completion_len"],
         "train_s": sum(r["seconds"] for r in rows),
         **time_split,
-        "examples": greedy["examples"],
+        "examples": greedy["examples"],  # decoded by eval
     }
 
 
@@ -156,7 +164,7 @@ def summary(records: list[dict]) -> dict:
         by_arm.setdefault(r["arm"], {})[r["seed"]] = r["score"]
     base = by_arm.get("top-100 KD", {})
     arms = {}
-    for name, seeds in by_arm.items():
+    for name, seeds in sorted(by_arm.items(), key=lambda item: list(ARMS).index(item[0])):
         row = {"seeds": sorted(seeds)}
         for m in METRICS:
             values = [s[m] for s in seeds.values()]
@@ -169,26 +177,56 @@ def summary(records: list[dict]) -> dict:
     return arms
 
 
+QUALITY = METRICS[:6]
+TIMES = ("train_s", "generate_s", "score_s", "update_s")
+
+
 def report_text(result: dict) -> str:
-    head = f"{'arm':<22}" + "".join(f"{m:>16}" for m in METRICS)
+    """Three tables (mean +- spread; paired difference from top-100 KD; wall time split) and examples."""
+    a = result["args"]
     lines = [
-        f"on-policy distillation, {result['args']['steps']} updates x 4 samples, SmolLM2-135M-Instruct -> 4 "
-        f"layers, {result['args']['chat']} conversations from the plays; held out: Hamlet "
-        f"({result['args']['heldout_prompts']} prompts)",
-        "kl_full / lm_loss: held-out replies (assistant tokens); rkl_*: the teacher's reverse KL per token on the "
-        "student's own completions; mean +- spread over seeds, [paired difference from top-100 KD]",
-        head,
+        f"on-policy distillation, {a['steps']} updates x 4 samples, SmolLM2-135M-Instruct -> 4 layers, "
+        f"{a['chat']} conversations from the plays; held out: Hamlet ({a['heldout_prompts']} prompts)",
+        "kl_full / lm_loss: held-out replies (assistant tokens), nats per token; rkl_*: the teacher's reverse KL "
+        "per token on the student's own greedy / sampled completions (64 tokens at most); len_*: their length",
+        "",
+        "mean +- spread (max - min) over seeds",
+        _table(result["arms"], QUALITY, lambda c: f"{c['mean']:.3f} +- {c['spread']:.3f}", "seeds"),
+        "",
+        "paired difference from top-100 KD (mean over the seeds both ran; negative: lower than top-100 KD)",
+        _table(
+            result["arms"],
+            QUALITY,
+            lambda c: "" if c["vs_top100"] is None else f"{c['vs_top100']:+.3f}",
+        ),
+        "",
+        "wall seconds per run (mean over seeds): train = every step; on-policy steps split generate / score / update",
+        _table(result["arms"], TIMES, lambda c: f"{c['mean']:.0f}"),
+        "",
+        "greedy completions of the first held-out prompt (lowest seed):",
     ]
-    for name, row in result["arms"].items():
-        cells = []
-        for m in METRICS:
-            cell = f"{row[m]['mean']:.3f}+-{row[m]['spread']:.3f}"
-            if row[m]["vs_top100"] is not None:
-                cell += f" [{row[m]['vs_top100']:+.3f}]"
-            cells.append(f"{cell:>16}")
-        lines.append(f"{name:<22}" + "".join(cells) + f"  seeds {row['seeds']}")
+    for name, example in _examples(result["records"]).items():
+        lines.append(f"  [{name}] ...{example['prompt'][-120:]!r}")
+        lines.append(f"      -> {example['completion'][:240]!r}")
     lines.append(f"stamp: {json.dumps(result['stamp'])}")
     return "\n".join(lines) + "\n"
+
+
+def _table(arms: dict, metrics: tuple, cell, extra: str = "") -> str:
+    width = 18
+    rows = [f"{'arm':<28}" + "".join(f"{m:>{width}}" for m in metrics)]
+    for name, row in arms.items():
+        cells = "".join(f"{cell(row[m]):>{width}}" for m in metrics)
+        rows.append(f"{name:<28}{cells}" + (f"  {row['seeds']}" if extra else ""))
+    return "\n".join(rows)
+
+
+def _examples(records: list[dict]) -> dict:
+    first: dict = {}
+    for r in sorted(records, key=lambda r: r["seed"]):
+        if r["score"]["examples"] and r["arm"] not in first:
+            first[r["arm"]] = r["score"]["examples"][0]
+    return first
 
 
 def write_report(args, records: list[dict]) -> str:
@@ -241,6 +279,8 @@ def main() -> None:
     if args.render:
         stored = os.path.join(args.out, "runs")
         records = [json.load(open(os.path.join(stored, f))) for f in sorted(os.listdir(stored))]
+        for key, value in records[0]["setting"].items() if records else ():
+            setattr(args, key, value)  # the report names the setting the runs had
         print(write_report(args, records))
         return
     args.teacher_dir = hf_teacher(args.teacher, os.path.join(args.work, "teacher"))
