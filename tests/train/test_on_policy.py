@@ -47,12 +47,16 @@ def test_only_the_rows_predicting_a_written_token_count():
         ids = np.arange(12, dtype=np.int32).reshape(6, 2)
         logprobs = np.full((6, 2), -1.0, np.float32)
         logz = np.zeros((6, 1), np.float32)
+        scored = None
 
     tokens = np.array([10, 11, 12, 20, 21, 22])  # a prompt of 3, a completion of 3
     item = completion_item(tokens, 3, Rows, logz_column=0)
     assert item["kd_mask"].tolist() == [False, False, True, True, True, False]
     assert item["labels"].tolist() == [-100, -100, 20, 21, 22, -100]
     assert item["position_ids"].tolist() == list(range(6)) and item["teacher_logz"].shape == (6,)
+    Rows.scored = np.array([True] * 5 + [False])  # a served teacher read other tokens: nothing counts
+    item = completion_item(tokens, 3, Rows, logz_column=0)
+    assert not item["kd_mask"].any() and (item["labels"] == -100).all() and not item["scored"]
 
 
 def test_a_step_trains_on_the_teachers_rows_of_the_students_own_completion(

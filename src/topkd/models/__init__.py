@@ -20,7 +20,7 @@ from torch import Tensor
 def load_causal_lm(source: str, dtype: str = "float32", device: str = "cpu", role: str = "model"):
     """(model in eval mode, tokenizer) from a local directory, or a GGUF file (dequantised by transformers);
     a missing path or tokenizer is one clear error naming `role` (teacher, student, model)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if not os.path.exists(source):
         raise ValueError(
@@ -36,16 +36,7 @@ def load_causal_lm(source: str, dtype: str = "float32", device: str = "cpu", rol
             os.path.dirname(os.path.abspath(source)),
             os.path.basename(source),
         )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            where, **{k: v for k, v in kwargs.items() if k == "gguf_file"}
-        )
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(
-            f"{role} {source!r}: expected tokenizer files beside the model (tokenizer.json or "
-            f"tokenizer_config.json), got none usable ({str(e).splitlines()[0][:160]}); save the "
-            "teacher's tokenizer there with tokenizer.save_pretrained"
-        ) from None
+    tokenizer = load_tokenizer(source, role)
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs).to(device).eval()
     quantizer = getattr(model, "hf_quantizer", None)
     if "gguf_file" in kwargs and quantizer is not None:
@@ -54,6 +45,22 @@ def load_causal_lm(source: str, dtype: str = "float32", device: str = "cpu", rol
         # tensors, so the marks go (as transformers' own remove_quantization_config does)
         quantizer.remove_quantization_config(model)
     return model, tokenizer
+
+
+def load_tokenizer(source: str, role: str = "model"):
+    """The tokenizer of a local model directory or GGUF file, or one clear error naming `role`."""
+    from transformers import AutoTokenizer
+
+    gguf = {"gguf_file": os.path.basename(source)} if source.endswith(".gguf") else {}
+    where = os.path.dirname(os.path.abspath(source)) if gguf else source
+    try:
+        return AutoTokenizer.from_pretrained(where, **gguf)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(
+            f"{role} {source!r}: expected tokenizer files beside the model (tokenizer.json or "
+            f"tokenizer_config.json), got none usable ({str(e).splitlines()[0][:160]}); save the "
+            "teacher's tokenizer there with tokenizer.save_pretrained"
+        ) from None
 
 
 def model_positions(source: str) -> int | None:

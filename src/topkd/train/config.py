@@ -19,6 +19,8 @@ from topkd.train.report import require_reporter
 class TrainConfig:
     cache: str = ""
     teacher: str = ""
+    teacher_url: str = ""
+    teacher_timeout: float = 120.0
     data: list[str] = field(default_factory=list)
     online_k: int = 0
     max_sequences: int = 0
@@ -70,6 +72,10 @@ class TrainConfig:
 TRAIN_HELP = {
     "cache": "top-K cache directory (from `topkd cache build`)",
     "teacher": "online mode instead of --cache: run this teacher (HF dir or .gguf) in memory on --data every step",
+    "teacher_url": "online mode with the teacher served elsewhere: an OpenAI-compatible completions server (vLLM, "
+    "llama-cpp-python) at this base URL scores the student's tokens (topkd/cache/building/served.py); needs "
+    "--student (its tokenizer must be the server's) and --online-k within the server's cap",
+    "teacher_timeout": "--teacher-url: seconds to wait for one answer before the run stops (its last checkpoint kept)",
     "data": "online mode: text files (.txt, .jsonl, .npy), packed as `topkd cache build` packs them",
     "online_k": "online mode: top-K taken on the fly (0: full-vocabulary KD)",
     "max_sequences": "online mode: use only the first this many packed sequences (as `cache build --max-sequences`)",
@@ -143,6 +149,9 @@ NOT_TRAJECTORY = (
     "skip_nonfinite",
     "merge",
     "report_to",
+    # a served teacher may move (another host, a restarted server): its tokenizer is probed at every start
+    "teacher_url",
+    "teacher_timeout",
 )
 RUN_FILE = "run.json"
 
@@ -240,17 +249,25 @@ def check_config(cfg: TrainConfig) -> None:
         )
 
 
+def teacher_of(cfg: TrainConfig) -> str:
+    """The online teacher, in memory (--teacher) or served (--teacher-url); '' offline."""
+    return cfg.teacher or cfg.teacher_url
+
+
 def _check_modes(cfg: TrainConfig) -> None:
     """Offline (--cache) or online (--teacher, --data), and a student from --student or the teacher's layers."""
+    teacher = teacher_of(cfg)
     both = (
-        cfg.on_policy and cfg.cache and cfg.teacher
+        cfg.on_policy and cfg.cache and teacher
     )  # offline steps from the cache, the teacher scores
-    if (bool(cfg.cache) == bool(cfg.teacher) and not both) or not cfg.out:
+    if cfg.teacher_url:
+        _check_served(cfg)
+    if (bool(cfg.cache) == bool(teacher) and not both) or not cfg.out:
         raise ValueError(
             f"expected --out and exactly one of --cache (offline) or --teacher (online), or both with "
-            f"--on-policy, got cache={cfg.cache!r} teacher={cfg.teacher!r} out={cfg.out!r}"
+            f"--on-policy, got cache={cfg.cache!r} teacher={teacher!r} out={cfg.out!r}"
         )
-    if cfg.teacher and (not cfg.data or (cfg.seq_len < 2 and not cfg.cache)):
+    if teacher and (not cfg.data or (cfg.seq_len < 2 and not cfg.cache)):
         raise ValueError(
             f"online mode (--teacher) needs --data files and --seq-len >= 2, got data={cfg.data} "
             f"seq_len={cfg.seq_len}"
@@ -271,6 +288,22 @@ def _check_modes(cfg: TrainConfig) -> None:
         raise ValueError(f"--init-from-teacher needs --layers >= 1, got {cfg.layers}")
 
 
+def _check_served(cfg: TrainConfig) -> None:
+    """--teacher-url: what a server can give (its top-K at T = 1) and what it cannot (layers to copy)."""
+    if cfg.teacher or cfg.init_from_teacher or cfg.online_k < 1 or not cfg.teacher_timeout > 0:
+        raise ValueError(
+            f"--teacher-url {cfg.teacher_url}: expected no --teacher, no --init-from-teacher (a server has no "
+            f"layers to copy: pass --student), --online-k >= 1 and --teacher-timeout > 0, got teacher="
+            f"{cfg.teacher!r} init_from_teacher={cfg.init_from_teacher} online_k={cfg.online_k} "
+            f"teacher_timeout={cfg.teacher_timeout}; pass --student DIR --online-k 20 (vLLM's default cap)"
+        )
+    if not cfg.teacher_url.startswith(("http://", "https://")):
+        raise ValueError(
+            f"--teacher-url: expected an http(s):// base URL such as http://localhost:8000/v1, got "
+            f"{cfg.teacher_url!r}"
+        )
+
+
 ON_POLICY_FLAGS = ("on_policy_fraction", "max_new_tokens", "sampling_temperature", "sampling_top_p")
 
 
@@ -286,10 +319,10 @@ def check_on_policy(cfg: TrainConfig) -> None:
                     f"which would ignore it; drop {flag}, or add --on-policy"
                 )
         return
-    if not cfg.teacher or not cfg.data or cfg.objective != "kd":
+    if not teacher_of(cfg) or not cfg.data or cfg.objective != "kd":
         raise ValueError(
-            f"--on-policy: expected --teacher (which scores the student's completions in memory), --data "
-            f"(chat JSONL: the prompts) and --objective kd, got teacher={cfg.teacher!r} data={cfg.data} "
+            f"--on-policy: expected --teacher or --teacher-url (which scores the student's completions), --data "
+            f"(chat JSONL: the prompts) and --objective kd, got teacher={teacher_of(cfg)!r} data={cfg.data} "
             f"objective={cfg.objective!r}; pass --teacher and --data (and --cache for its offline steps)"
         )
     require_ints(cfg, ("max_new_tokens",), 1)

@@ -35,7 +35,7 @@ from topkd.base.signals import Interrupted, stop_requests
 from topkd.data.samples import SampleStream, count_tokens
 from topkd.loss import loss_parts
 from topkd.train import checkpoint as ckpt
-from topkd.train.config import TrainConfig, check_config, check_paths, check_resume
+from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, teacher_of
 from topkd.train.parallel import scalar
 from topkd.train.report import open_reporter, plot_losses
 from topkd.train.run import Run, open_run, run_title, save_final, warn_about_schedule
@@ -118,7 +118,7 @@ def run_steps(run: Run, resumed: bool) -> dict:
     steps = (
         None
         if cfg.on_policy
-        else step_loader(run, workers=0 if cfg.teacher else cfg.loader_workers)
+        else step_loader(run, workers=0 if teacher_of(cfg) else cfg.loader_workers)
     )
     reporter = open_reporter(
         cfg.report_to if rank == 0 else "none", cfg.out, asdict(cfg), state["step"]
@@ -284,6 +284,8 @@ def _on_policy_metrics(made: dict, seconds: float) -> dict:
         "update_s": seconds - made["generate_s"] - made["score_s"],
         "generated_tokens": made["generated_tokens"],
         "completion_len": made["generated_tokens"] / max(made["completions"], 1),
+        # completions a served teacher read as other tokens (it re-tokenised their text): left out of the loss
+        **({"unscored": made["unscored"]} if made.get("unscored") else {}),
     }
 
 

@@ -61,7 +61,13 @@ class OnPolicy:
         """This rank's `micro` micro-batches of `size` prompts each, completed by model and scored by the
         teacher, laid out as samples_per_step prompts from first_prompt on (as step_batches lays out samples);
         and what making them took."""
-        stats = {"generate_s": 0.0, "score_s": 0.0, "generated_tokens": 0, "completions": 0}
+        stats = {
+            "generate_s": 0.0,
+            "score_s": 0.0,
+            "generated_tokens": 0,
+            "completions": 0,
+            "unscored": 0,
+        }
         batches = []
         for m in range(micro):
             first = first_prompt + (m * world + rank) * size
@@ -71,7 +77,9 @@ class OnPolicy:
                 model, prompts, self.settings, self._seed(step, m, rank), self.stop_ids, self.pad_id
             )
             scored = time.perf_counter()
-            batches.append(collate(self._items(prompts, completions)))
+            items = self._items(prompts, completions)
+            stats["unscored"] += sum(not item.pop("scored") for item in items)
+            batches.append(collate(items))
             stats["generate_s"] += scored - start
             stats["score_s"] += time.perf_counter() - scored
             stats["generated_tokens"] += sum(len(c) for c in completions)
@@ -100,8 +108,13 @@ def completion_item(tokens: np.ndarray, prompt_len: int, rows, logz_column: int 
     ids = torch.from_numpy(tokens.astype(np.int64))
     counted = torch.zeros(n, dtype=torch.bool)
     counted[prompt_len - 1 : n - 1] = True  # row j predicts token j + 1
+    # a served teacher that read other tokens (it re-tokenised the text) scored none of the rows: none count
+    scored = rows.scored is None or bool(rows.scored.all())
+    counted &= scored
     labels = torch.full((n,), -100, dtype=torch.long)
-    labels[prompt_len - 1 : n - 1] = ids[prompt_len:]
+    labels[prompt_len - 1 : n - 1] = torch.where(
+        counted[prompt_len - 1 : n - 1], ids[prompt_len:], -100
+    )
     item = {
         "input_ids": ids,
         "position_ids": torch.arange(n),
@@ -109,6 +122,7 @@ def completion_item(tokens: np.ndarray, prompt_len: int, rows, logz_column: int 
         "kd_mask": counted,
         "teacher_ids": torch.as_tensor(rows.ids),
         "teacher_logprobs": torch.as_tensor(rows.logprobs),
+        "scored": scored,  # taken out by step_batches (not a batch key)
     }
     if logz_column is not None:
         item["teacher_logz"] = torch.as_tensor(rows.logz)[:, logz_column]

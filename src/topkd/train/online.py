@@ -120,8 +120,11 @@ class OnlineTeacher:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         seq = self.sequences[i]
         rows = self.rows([seq])[0]
-        # chat: as the cache
-        mask = {} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}
+        # chat: as the cache; rows a served teacher could not score (topkd/cache/building/served.py) never count
+        row_mask = seq.row_mask
+        if rows.scored is not None and not rows.scored.all():
+            row_mask = rows.scored if row_mask is None else row_mask & rows.scored
+        mask = {} if row_mask is None else {"row_mask": torch.from_numpy(row_mask)}
         return {
             "input_ids": torch.from_numpy(np.asarray(seq.tokens, dtype=np.int64)),
             "teacher_ids": torch.as_tensor(rows.ids),

@@ -10,9 +10,11 @@ Both kinds are a topkd.data.samples.SequenceSource.
 from __future__ import annotations
 
 from topkd.cache import TopKCache
-from topkd.cache.building.teacher import load_teacher, tokenizer_hash
+from topkd.cache.building.served import ServedTeacher
+from topkd.cache.building.teacher import TeacherEngine, load_teacher, tokenizer_hash
 from topkd.data.samples import SequenceSource
-from topkd.train.config import TrainConfig, loss_options
+from topkd.models import load_tokenizer
+from topkd.train.config import TrainConfig, loss_options, teacher_of
 from topkd.train.online import OnlineTeacher
 
 
@@ -40,7 +42,7 @@ def open_scorer(cfg: TrainConfig, device: str, source: SequenceSource, world: in
     ours, cached = tokenizer_hash(scorer.teacher.tokenizer), source.fingerprint["tokenizer_sha256"]
     if ours != cached or scorer.vocab_size != source.vocab_size:
         raise ValueError(
-            f"--teacher {cfg.teacher}: expected the tokenizer and vocabulary of the teacher that built --cache "
+            f"teacher {teacher_of(cfg)}: expected the tokenizer and vocabulary of the teacher that built --cache "
             f"{cfg.cache} (sha256 {cached[:12]}, {source.vocab_size} ids), got sha256 {ours[:12]} and "
             f"{scorer.vocab_size} ids; pass that teacher (or a cache built from this one)"
         )
@@ -50,7 +52,7 @@ def open_scorer(cfg: TrainConfig, device: str, source: SequenceSource, world: in
 def _online_teacher(cfg: TrainConfig, device: str, seq_len: int) -> OnlineTeacher:
     temperatures = [cfg.temperature] if loss_options(cfg).needs_logz else []
     return OnlineTeacher(
-        load_teacher(cfg.teacher, device=device),
+        _teacher_engine(cfg, device, temperatures),
         cfg.data,
         seq_len,
         cfg.online_k,
@@ -60,6 +62,23 @@ def _online_teacher(cfg: TrainConfig, device: str, seq_len: int) -> OnlineTeache
         cfg.messages_field,
         cfg.train_on,
     )
+
+
+def _teacher_engine(cfg: TrainConfig, device: str, temperatures: list[float]) -> TeacherEngine:
+    """The teacher in memory (--teacher), or served (--teacher-url: the student's tokenizer, probed against the
+    server's before anything trains)."""
+    if not cfg.teacher_url:
+        return load_teacher(cfg.teacher, device=device)
+    if temperatures:
+        raise ValueError(
+            f"--teacher-url: expected a loss a server's top-K can give (it returns no c_T), got tempered "
+            f"bucket KD (--temperature {cfg.temperature}); pass --tail renorm, or --temperature 1"
+        )
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(cfg.student).get_text_config().vocab_size
+    tokenizer = load_tokenizer(cfg.student, "student")
+    return ServedTeacher(cfg.teacher_url, tokenizer, vocab, cfg.online_k, cfg.teacher_timeout)
 
 
 def check_top_k(top_k: int, source: SequenceSource) -> None:

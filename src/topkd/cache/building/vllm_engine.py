@@ -33,9 +33,7 @@ import numpy as np
 
 from topkd.base.files import json_file_sha256
 from topkd.cache.building.teacher import fingerprint
-from topkd.cache.format.engine_rows import EngineRows
-
-TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
+from topkd.cache.format.engine_rows import EngineRows, ranked_rows
 
 
 def rows_from_prompt(
@@ -48,27 +46,16 @@ def rows_from_prompt(
             f"got length {len(prompt_logprobs)}; was prompt_logprobs=K set and prefix caching off?"
         )
     entries = list(prompt_logprobs[1:]) + [next_logprobs]
-    ids = np.empty((len(entries), k), np.int32)
-    logprobs = np.empty((len(entries), k), np.float32)
+    ranked = []
     for t, entry in enumerate(entries):
-        top = sorted((v.rank, -v.logprob, int(tid)) for tid, v in entry.items() if v.rank <= k)
+        top = [(int(tid), v.logprob) for tid, v in entry.items() if v.rank <= k]
         if len(top) != k:
             raise ValueError(
                 f"vLLM output: expected {k} entries ranked 1..{k} at row {t}, got {len(top)} of "
                 f"{len(entry)}; set max_logprobs >= K and prompt_logprobs=K"
             )
-        ids[t] = [tid for _, _, tid in top]
-        logprobs[t] = [-neg for _, neg, _ in top]
-    log_mass = np.logaddexp.reduce(logprobs.astype(np.float64), axis=1)
-    with np.errstate(divide="ignore"):  # a top-K holding all the mass leaves a zero tail: the floor
-        tail = np.log(-np.expm1(np.minimum(log_mass, 0.0)))
-    return EngineRows(
-        ids=ids,
-        logprobs=logprobs,
-        log_mass=log_mass.astype(np.float32),
-        log_tail=np.maximum(tail, TAIL_FLOOR).astype(np.float32),
-        logz=np.zeros((len(entries), 0), np.float32),
-    )
+        ranked.append(top)
+    return ranked_rows(ranked, k)
 
 
 def document_pieces(tokens: np.ndarray, doc_starts: np.ndarray) -> list[np.ndarray]:

@@ -29,6 +29,9 @@ class EngineRows:
     logz: np.ndarray  # [n, temperatures] float32, c_T = log sum_v exp(a_v / T)
     # [n, temperatures] float32, the kept entries' exact mass at T
     log_mass_t: np.ndarray | None = None
+    # [n] bool, where an engine could not score every row (a served teacher that read other tokens): False
+    # rows are valid placeholders the loss must leave out
+    scored: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -54,8 +57,45 @@ class EngineRows:
         )
 
 
+TAIL_FLOOR = float(np.log(np.finfo(np.float32).tiny))  # log of a tail that rounds to zero in fp32
+
+
+def ranked_rows(
+    entries: list[list[tuple[int, float]]], k: int, scored: np.ndarray | None = None
+) -> EngineRows:
+    """Rows from what an engine that gives only its top entries returns (vLLM, a served teacher): per row up to k
+    (id, log-prob) pairs, in any order. Rank order, -inf padding where a row has fewer than k, and a tail of
+    log(1 - kept mass) (not summed directly: the rest of the vocabulary is not seen); no c_T."""
+    n = len(entries)
+    ids = np.zeros((n, k), np.int32)
+    logprobs = np.full((n, k), -np.inf, np.float32)
+    for t, entry in enumerate(entries):
+        top = sorted(entry, key=lambda e: (-e[1], e[0]))[:k]
+        if not top:
+            raise ValueError(f"teacher rows: expected at least one entry at row {t}, got none")
+        ids[t] = top[0][0]  # padding repeats the first id, as the cache's variable-K rows do
+        ids[t, : len(top)] = [i for i, _ in top]
+        logprobs[t, : len(top)] = [lp for _, lp in top]
+    log_mass = np.logaddexp.reduce(logprobs.astype(np.float64), axis=1)
+    with np.errstate(divide="ignore"):  # a top-K holding all the mass leaves a zero tail: the floor
+        tail = np.log(-np.expm1(np.minimum(log_mass, 0.0)))
+    return EngineRows(
+        ids=ids,
+        logprobs=logprobs,
+        log_mass=log_mass.astype(np.float32),
+        log_tail=np.maximum(tail, TAIL_FLOOR).astype(np.float32),
+        logz=np.zeros((n, 0), np.float32),
+        scored=scored,
+    )
+
+
 def teacher_sequence(seq, rows: EngineRows) -> TeacherSequence:
     """One packed sequence and its teacher rows (from a TeacherEngine), as the shard encoder takes them."""
+    if rows.scored is not None and not rows.scored.all():
+        raise ValueError(
+            f"teacher rows of sequence {seq.index}: expected every row scored, got "
+            f"{int((~rows.scored).sum())} the engine could not score; a cache holds no placeholders"
+        )
     return TeacherSequence(
         input_ids=seq.tokens,
         ids=rows.ids,
