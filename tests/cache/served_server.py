@@ -99,7 +99,9 @@ def make_handler(teacher, cap: int, delay: float, mangle=None):
                 )
             prompts = body["prompt"]
             if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
-                return self._send(400, {"error": {"message": "this server takes token-id prompts only"}})
+                return self._send(
+                    400, {"error": {"message": "this server takes token-id prompts only"}}
+                )
             time.sleep(delay)
             with lock:
                 choices = [vllm_choice(teacher, p, k, i) for i, p in enumerate(prompts)]

@@ -62,16 +62,15 @@ def test_vllm_positions_shift_by_one_and_the_extra_entry_is_dropped():
 
 
 def test_echo_strings_map_back_to_ids_and_other_tokens_are_not_guessed():
-    strings = ["a", "b", "c", "\ufffd", ""]
-    id_of = {"a": 0, "b": 1, "c": 2}  # id 3 prints U+FFFD here, id 4 nothing: neither maps back
-    choice = {
+    strings = ["a", "b", "c", None, None]
+    id_of = {
+        "a": 0,
+        "b": 1,
+        "c": 2,
+    }  # id 3 is special (the server prints ''), id 4 a partial character
+    openai = {  # OpenAI's layout: the piece [a, b, 3] and the generated c, entry t over token t
         "logprobs": {
-            "tokens": [
-                "a",
-                "b",
-                "",
-                "c",
-            ],  # a, b, then id 3 (printed '' by the server), then the generated c
+            "tokens": ["a", "b", "", "c"],
             "top_logprobs": [
                 None,
                 {"b": -0.1, "": -3.0},
@@ -80,10 +79,25 @@ def test_echo_strings_map_back_to_ids_and_other_tokens_are_not_guessed():
             ],
         }
     }
-    rows = echo_entries([0, 1, 3], choice, 2, id_of, strings)
-    assert rows == [[(1, -0.1)], [(2, -1.2)], [(2, -0.05), (0, -4.0)]]
-    other = {"logprobs": {**choice["logprobs"], "tokens": ["a", "c", "", "c"]}}
-    assert echo_entries([0, 1, 3], other, 2, id_of, strings) is None  # it read other tokens
+    assert echo_entries([0, 1, 3], openai, 2, id_of, strings) == [
+        [(1, -0.1)],
+        [(2, -1.2)],
+        [(2, -0.05), (0, -4.0)],
+    ]
+    # llama-cpp-python's: entry t is the distribution computed at position t, the first null, the last row none
+    llama = {
+        "logprobs": {
+            "tokens": ["a", "b", ""],
+            "top_logprobs": [None, {"c": -0.2}, {"a": -0.7, "": -1.0}],
+        }
+    }
+    assert echo_entries([0, 1, 3], llama, 2, id_of, strings) == [None, [(2, -0.2)], [(0, -0.7)]]
+    bos = {
+        "logprobs": {"tokens": ["b", ""], "top_logprobs": [None, {"a": -0.7}]}
+    }  # it left out a leading BOS
+    assert echo_entries([0, 1, 3], bos, 2, id_of, strings) == [None, [(0, -0.7)], None]
+    other = {"logprobs": {**openai["logprobs"], "tokens": ["a", "c", "", "c"]}}
+    assert echo_entries([0, 1, 3], other, 2, id_of, strings) == [None] * 3  # it read other tokens
     assert (
         api_urls("http://h:8000")
         == api_urls("http://h:8000/v1/")
@@ -95,6 +109,9 @@ def test_id_strings_keep_only_unambiguous_strings(teacher_dir):
     tokenizer = load_teacher(teacher_dir).tokenizer
     strings, id_of = id_strings(tokenizer, len(tokenizer) + 3)
     assert len(strings) == len(tokenizer) + 3 and all(strings[i] == s for s, i in id_of.items())
+    assert (
+        strings[tokenizer.eos_token_id] is None and strings[-1] is None
+    )  # special, past the tokenizer
     assert len(set(id_of.values())) == len(id_of)
 
 

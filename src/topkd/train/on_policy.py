@@ -108,9 +108,10 @@ def completion_item(tokens: np.ndarray, prompt_len: int, rows, logz_column: int 
     ids = torch.from_numpy(tokens.astype(np.int64))
     counted = torch.zeros(n, dtype=torch.bool)
     counted[prompt_len - 1 : n - 1] = True  # row j predicts token j + 1
-    # a served teacher that read other tokens (it re-tokenised the text) scored none of the rows: none count
-    scored = rows.scored is None or bool(rows.scored.all())
-    counted &= scored
+    if (
+        rows.scored is not None
+    ):  # rows a served teacher did not score (it read other tokens): none count
+        counted &= torch.from_numpy(np.asarray(rows.scored, dtype=bool))
     labels = torch.full((n,), -100, dtype=torch.long)
     labels[prompt_len - 1 : n - 1] = torch.where(
         counted[prompt_len - 1 : n - 1], ids[prompt_len:], -100
@@ -122,7 +123,9 @@ def completion_item(tokens: np.ndarray, prompt_len: int, rows, logz_column: int 
         "kd_mask": counted,
         "teacher_ids": torch.as_tensor(rows.ids),
         "teacher_logprobs": torch.as_tensor(rows.logprobs),
-        "scored": scored,  # taken out by step_batches (not a batch key)
+        # whether the teacher scored every completion row; taken out by step_batches (not a batch key)
+        "scored": rows.scored is None
+        or bool(np.asarray(rows.scored)[prompt_len - 1 : n - 1].all()),
     }
     if logz_column is not None:
         item["teacher_logz"] = torch.as_tensor(rows.logz)[:, logz_column]

@@ -91,29 +91,63 @@ def _token_id(key: str) -> int:
     return int(key[len("token_id:") :])
 
 
+Entries = list[list[tuple[int, float]] | None]  # per row its (id, log-prob) pairs; None: not scored
+
+
 def echo_entries(
-    piece: list[int], choice: dict, k: int, id_of: dict[str, int], strings: list[str]
-) -> list[list[tuple[int, float]]] | None:
-    """One echoed choice -> each row's (id, log-prob) pairs, or None where the server read other tokens than
-    `piece` (it re-tokenised the text). Position t + 1 gives row t; the entry after the piece, the last row."""
+    piece: list[int],
+    choice: dict,
+    k: int,
+    id_of: dict[str, int],
+    strings: list[str | None],
+    bos: int | None = None,
+) -> Entries:
+    """One echoed choice -> each row's (id, log-prob) pairs, None for a row it did not score, all None where the
+    server read other tokens than `piece` (it re-tokenised the text). Two layouts, told apart by their length:
+    OpenAI's (the piece and the generated token, L + 1 entries, entry t over token t: row t is entry t + 1), and
+    llama-cpp-python's (`llama_layout`)."""
     logprobs = choice.get("logprobs") or {}
     tokens, top = logprobs.get("tokens"), logprobs.get("top_logprobs")
     if not isinstance(tokens, list) or not isinstance(top, list) or len(top) != len(tokens):
         raise ValueError("expected logprobs with tokens and top_logprobs (echo: true, logprobs: K)")
-    if len(tokens) < len(piece) + 1 or not same_tokens(tokens[: len(piece)], piece, strings):
-        return None
-    rows = []
-    for position in top[1 : len(piece) + 1]:
+    if len(tokens) == len(piece) + 1:
+        labels, rows_at = piece, list(range(-1, len(piece)))
+    else:
+        labels, rows_at = llama_layout(piece, len(tokens), bos)
+    if rows_at is None or not same_tokens(tokens[: len(labels)], labels, strings):
+        return [None] * len(piece)
+    rows: Entries = [None] * len(piece)
+    for row, position in zip(rows_at, top):
         pairs = [(id_of[s], float(lp)) for s, lp in (position or {}).items() if s in id_of]
-        rows.append(pairs or [(piece[0], float("-inf"))])
+        if row >= 0:
+            rows[row] = pairs or None
     return rows
 
 
-def same_tokens(theirs: list[str], piece: list[int], strings: list[str]) -> bool:
-    """Whether the server read `piece`: its strings equal ours, where ours is a whole character (a byte of a
-    character split over tokens prints as U+FFFD here and as '' or a fragment there: not comparable)."""
-    ours = [strings[t] for t in piece]
-    return all(a == b or "\ufffd" in b for a, b in zip(theirs, ours))
+def llama_layout(piece: list[int], n: int, bos: int | None) -> tuple[list[int], list[int] | None]:
+    """llama-cpp-python 0.3's echo (Llama._create_completion): it drops a leading BOS from the tokens it lists but
+    not from its scores, pairs listed token i with the distribution computed at position i (row i), skips every
+    BOS token, and may list the generated token last; the first entry is null. So its n entries name rows
+    `rows_at` and tokens `labels` (those of the piece; the generated one is not compared). None: no such
+    layout gives n entries."""
+    listed = piece[1:] if bos is not None and piece[:1] == [bos] else piece
+    for generated in (0, 1):
+        rows_at = [
+            i
+            for i in range(min(len(listed) + generated, len(piece)))
+            if i >= len(listed) or listed[i] != bos
+        ]
+        if len(rows_at) == n:
+            labels = [listed[i] for i in rows_at if i < len(listed)]
+            return labels, rows_at
+    return [], None
+
+
+def same_tokens(theirs: list[str], piece: list[int], strings: list[str | None]) -> bool:
+    """Whether the server read `piece`: its strings equal ours, where ours is comparable (None: a special token,
+    which a server may print as '', or a byte of a character split over tokens, printed as U+FFFD here and as ''
+    or a fragment there)."""
+    return all(ours is None or a == ours for a, ours in zip(theirs, (strings[t] for t in piece)))
 
 
 def echo_request(text: str, k: int, model: str | None) -> dict:
@@ -127,15 +161,23 @@ def echo_request(text: str, k: int, model: str | None) -> dict:
     }
 
 
-def id_strings(tokenizer, vocab: int) -> tuple[list[str], dict[str, int]]:
-    """Each id's string as a server prints it, and the strings that name exactly one id (the others cannot be
-    mapped back: dropped)."""
-    strings = [tokenizer.decode([i], skip_special_tokens=False) for i in range(len(tokenizer))]
-    strings += [""] * (vocab - len(strings))
+def id_strings(tokenizer, vocab: int) -> tuple[list[str | None], dict[str, int]]:
+    """Each id's string as a server prints it (None where it cannot be compared: special tokens, partial
+    characters), and the strings that name exactly one id (the others cannot be mapped back: dropped)."""
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    special |= {
+        i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
+    }
+    strings: list[str | None] = []
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        strings.append(None if i in special or "\ufffd" in text else text)
+    strings += [None] * (vocab - len(strings))
     seen: dict[str, int] = {}
-    for i, s in enumerate(strings):
-        seen[s] = -1 if s in seen else i
-    return strings, {s: i for s, i in seen.items() if i >= 0 and "\ufffd" not in s}
+    for i, text in enumerate(strings):
+        if text is not None:
+            seen[text] = -1 if text in seen else i
+    return strings, {text: i for text, i in seen.items() if i >= 0}
 
 
 class ServedError(ValueError):
@@ -180,7 +222,9 @@ class ServedTeacher:
             raise self.error(f"no answer on {path} within {self.timeout:g} s", True) from None
         except (urllib.error.URLError, ConnectionError) as e:
             reason = getattr(e, "reason", e)
-            raise self.error(f"could not reach {path} ({reason}); is the server up?", True) from None
+            raise self.error(
+                f"could not reach {path} ({reason}); is the server up?", True
+            ) from None
         except json.JSONDecodeError as e:
             raise self.error(f"expected JSON from {path}, got {e}") from None
 
@@ -274,8 +318,16 @@ class ServedTeacher:
                 choice = _choices(
                     self._post("/v1/completions", echo_request(text, self.k, self.model)), 1
                 )[0]
-                got = self._checked(echo_entries, p, choice, self.k, self.id_of, self.strings)
-                self.unaligned += got is None
+                got = self._checked(
+                    echo_entries,
+                    p,
+                    choice,
+                    self.k,
+                    self.id_of,
+                    self.strings,
+                    self.tokenizer.bos_token_id,
+                )
+                self.unaligned += all(row is None for row in got)
                 entries.append(got)
         return [self._rows(p, e) for p, e in zip(pieces, entries)]
 
@@ -284,20 +336,18 @@ class ServedTeacher:
             entries = parse(piece, choice, *args)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise self.error(f"{self.api} response: {e}") from None
-        past = [i for row in entries or [] for i, _ in row if not 0 <= i < self.vocab]
+        past = [i for row in entries if row for i, _ in row if not 0 <= i < self.vocab]
         if past:
             raise self.error(
                 f"expected ids below the student's vocabulary of {self.vocab}, got {past[0]}: another model's ids"
             )
         return entries
 
-    def _rows(self, piece: list[int], entries) -> EngineRows:
-        scored = np.full(len(piece), entries is not None)
-        if (
-            entries is None
-        ):  # unaligned: valid placeholder rows, each marked for the loss to leave out
-            entries = [[(piece[0], 0.0)]] * len(piece)
-        return ranked_rows(entries, self.k, scored)
+    def _rows(self, piece: list[int], entries: Entries) -> EngineRows:
+        """Rows in rank order; one the server did not score is a valid placeholder, marked for the loss to skip."""
+        scored = np.array([row is not None for row in entries])
+        placeholder = [(piece[0], 0.0)]
+        return ranked_rows([row or placeholder for row in entries], self.k, scored)
 
     def fingerprint(self, k: int, temperatures: tuple[float, ...]) -> dict:
         return fingerprint(
