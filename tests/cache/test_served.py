@@ -95,7 +95,7 @@ def test_echo_strings_map_back_to_ids_and_other_tokens_are_not_guessed():
     bos = {
         "logprobs": {"tokens": ["b", ""], "top_logprobs": [None, {"a": -0.7}]}
     }  # it left out a leading BOS
-    assert echo_entries([0, 1, 3], bos, 2, id_of, strings) == [None, [(0, -0.7)], None]
+    assert echo_entries([0, 1, 3], bos, 2, id_of, strings, bos=0) == [None, [(0, -0.7)], None]
     other = {"logprobs": {**openai["logprobs"], "tokens": ["a", "c", "", "c"]}}
     assert echo_entries([0, 1, 3], other, 2, id_of, strings) == [None] * 3  # it read other tokens
     assert (
