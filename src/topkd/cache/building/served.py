@@ -256,12 +256,13 @@ class ServedTeacher:
                 text = str(e).lower()
                 if e.unreachable:
                     raise
+                said = str(e).removeprefix(str(self.error("")))
                 if "max" in text and "logprob" in text:  # vLLM: "... greater than max allowed: 20"
                     raise self.error(
-                        f"it refuses {self.k} log-probs a position ({e}); lower --online-k, or raise the "
-                        "server's cap (vllm serve --max-logprobs K)"
+                        f"it refuses {self.k} log-probs a position ({said}); lower --online-k, or raise "
+                        "the server's cap (vllm serve --max-logprobs K)"
                     ) from None
-                problems.append(f"{dialect}: {str(e).removeprefix(str(self.error('')))}")
+                problems.append(f"{dialect}: {said}")
         raise self.error(
             f"expected prompt log-probs from POST /v1/completions (vLLM's prompt_logprobs or echo + "
             f"logprobs), got {'; '.join(problems)}"
