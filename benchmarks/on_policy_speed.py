@@ -160,6 +160,7 @@ def main() -> None:
         "args": vars(args),
         **summary(loop[1:], phases[1:]),
     }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_json_atomic(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "stamp"}, indent=1))
     verdict = "within" if result["ratio"] <= LIMIT and math.isfinite(result["ratio"]) else "OVER"
