@@ -10,6 +10,8 @@
                         loss=LossOptions(divergence="kl", tail="bucket", ce_weight=0.1))
     trainer.train()
 
+    OnPolicyKDTrainer(..., teacher=load_teacher("T"), prompts=["chats.jsonl"])   # GKD: topkd/hf_on_policy.py
+
     class KDSFTTrainer(KDTrainerMixin, trl.SFTTrainer):           # the same loss in TRL's SFTTrainer, which
         pass                                                     # takes `datasets` only: as_hf_dataset(data)
 
@@ -290,4 +292,19 @@ def final_hidden_states(model, inputs: dict) -> torch.Tensor:
     return out.hidden_states[-1]
 
 
-__all__ = ["KDTrainer", "KDTrainerMixin", "KD_COLUMNS", "as_hf_dataset"]
+def __getattr__(name: str):
+    if (
+        name == "OnPolicyKDTrainer"
+    ):  # its own module (topkd/hf_on_policy.py), which builds on this one
+        from topkd.hf_on_policy import OnPolicyKDTrainer
+
+        return OnPolicyKDTrainer
+    raise AttributeError(f"module 'topkd.hf' has no attribute {name!r}")
+
+
+__all__ = [
+    "KDTrainer",
+    "KDTrainerMixin",
+    "KD_COLUMNS",
+    "as_hf_dataset",
+]  # and OnPolicyKDTrainer (lazy)
