@@ -267,3 +267,15 @@ def test_text_data_has_no_turn_to_write(chat_teacher_dir, text_file, tmp_path):
     with pytest.raises(ValueError, match="--on-policy: expected chat JSONL files"):
         train(config(chat_teacher_dir, text_file, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_under_another_divergence_the_teachers_reverse_kl_is_logged(
+    chat_teacher_dir, chats_file, tmp_path
+):
+    train(config(chat_teacher_dir, chats_file, tmp_path / "rkl", steps=1))
+    train(config(chat_teacher_dir, chats_file, tmp_path / "kl", steps=1, divergence="kl"))
+    (rkl,), (kl,) = rows(tmp_path / "rkl"), rows(tmp_path / "kl")
+    assert "teacher_rkl" not in rkl  # its loss is that quantity
+    # step 1 of both: the same init writes the same completions; the kl run measures what the other trains on
+    assert kl["generated_tokens"] == rkl["generated_tokens"]
+    assert kl["teacher_rkl"] == pytest.approx(rkl["loss"], rel=1e-5) and kl["loss"] != rkl["loss"]

@@ -16,6 +16,7 @@ The functions here take one topkd.train.run.Run: the student, optimizer, schedul
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from topkd.base.progress import progress
 from topkd.base.signals import Interrupted, stop_requests
 from topkd.data.samples import SampleStream, count_tokens
 from topkd.loss import loss_parts
+from topkd.loss.options import LossOptions
 from topkd.train import checkpoint as ckpt
 from topkd.train.config import TrainConfig, check_config, check_paths, check_resume, teacher_of
 from topkd.train.parallel import scalar
@@ -226,7 +228,10 @@ def train_step(run: Run, micro: list[dict] | None = None) -> dict:
     micro = [_to(b, device) for b in micro]
     tokens = dist.all_sum(sum(count_tokens(b) for b in micro))
     optimizer.zero_grad(set_to_none=True)
-    total, kd_sum, ce_sum = _backward(module, micro, cfg, device, tokens)
+    monitor = (
+        teacher_rkl_options(module.options) if made and cfg.divergence != "reverse_kl" else None
+    )
+    total, kd_sum, ce_sum, monitored = _backward(module, micro, cfg, device, tokens, monitor)
     params = [p for p in module.parameters() if p.grad is not None]
     clip = cfg.clip if cfg.clip > 0 else math.inf
     grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, clip))
@@ -256,6 +261,8 @@ def train_step(run: Run, micro: list[dict] | None = None) -> dict:
         **_reserved_gib(device),
         **({} if finite else {"skipped": True}),
         **_on_policy_metrics(made, seconds),
+        # on-policy under another divergence: what the recipe optimises, measured on the same rows and states
+        **({"teacher_rkl": monitored / max(tokens, 1)} if monitor is not None else {}),
     }
 
 
@@ -289,17 +296,27 @@ def _on_policy_metrics(made: dict, seconds: float) -> dict:
     }
 
 
-def _backward(module: KDStudent, micro: list[dict], cfg: TrainConfig, device, tokens: int):
-    """Forward and backward of each micro-batch, gradients accumulating; the loss and its KD and CE sums."""
-    total, kd_sum, ce_sum = 0.0, 0.0, 0.0
+def _backward(
+    module: KDStudent, micro: list[dict], cfg: TrainConfig, device, tokens: int, monitor=None
+):
+    """Forward and backward of each micro-batch, gradients accumulating; the loss, its KD and CE sums, and the
+    summed monitor loss (0.0 without monitor)."""
+    total, kd_sum, ce_sum, monitored = 0.0, 0.0, 0.0, 0.0
     for batch in micro:
         with _autocast(cfg.autocast_bf16, device), loss_parts() as parts:
-            loss = module(batch) / max(tokens, 1)
+            loss = module(batch, monitor) / max(tokens, 1)
         loss.backward()
         total += float(loss.detach())
         kd_sum += float(parts["kd"])  # loss.detach() synced already: these cost no wait
         ce_sum += float(parts["ce"])
-    return total, kd_sum, ce_sum
+        monitored += float(module.monitored) if monitor is not None else 0.0
+    return total, kd_sum, ce_sum, monitored
+
+
+def teacher_rkl_options(options: LossOptions) -> LossOptions:
+    """The teacher's reverse KL per token at T = 1 over the rows the run trains on (its tail as the run's), the
+    quantity on-policy distillation optimises: logged on on-policy steps of a run whose loss is another."""
+    return dataclasses.replace(options, divergence="reverse_kl", temperature=1.0, ce_weight=0.0)
 
 
 def _update(

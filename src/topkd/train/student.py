@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from topkd.cache import TopKCache
-from topkd.loss import fused_linear_kd, kd_loss
+from topkd.loss import fused_linear_kd, kd_loss, loss_parts
 from topkd.loss.fold import fold_beyond
 from topkd.loss.options import LossOptions
 from topkd.models import final_hidden, load_causal_lm, model_head
@@ -111,13 +111,24 @@ class KDStudent(nn.Module):
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, batch: dict[str, torch.Tensor], monitor: LossOptions | None = None
+    ) -> torch.Tensor:
+        """The batch's summed loss; with monitor, also another loss on the same hidden states, for the log only
+        (no gradient, not in loss_parts): self.monitored."""
         hidden = final_hidden(self.model, batch["input_ids"], batch["position_ids"])
+        loss = self._loss(hidden, batch, self.options)
+        if monitor is not None:
+            with torch.no_grad(), loss_parts():
+                self.monitored = self._loss(hidden.detach(), batch, monitor)
+        return loss
+
+    def _loss(self, hidden: torch.Tensor, batch: dict, options: LossOptions) -> torch.Tensor:
         return batch_loss(
             self.model,
             hidden,
             batch,
-            self.options,
+            options,
             self.teacher_vocab,
             self.top_k,
             self.head_dtype,
