@@ -279,3 +279,30 @@ def test_under_another_divergence_the_teachers_reverse_kl_is_logged(
     # step 1 of both: the same init writes the same completions; the kl run measures what the other trains on
     assert kl["generated_tokens"] == rkl["generated_tokens"]
     assert kl["teacher_rkl"] == pytest.approx(rkl["loss"], rel=1e-5) and kl["loss"] != rkl["loss"]
+
+
+def test_sampled_teacher_rows_train_on_policy_and_draw_the_same_again(
+    chat_teacher_dir, chats_file, tmp_path
+):
+    kw = dict(online_k=0, online_samples=16, divergence="kl")
+    run = open_run(config(chat_teacher_dir, chats_file, tmp_path / "a", **kw), "cpu", 1)
+    (batch,), _ = run.on_policy.step_batches(run.module.model, 0, 0, 1, 2, 1, 0)
+    probs = batch["teacher_logprobs"].exp()
+    assert (
+        batch["teacher_ids"].shape[-1] == 16 and run.on_policy.teacher.target_kind.name == "sampled"
+    )
+    counted = batch["kd_mask"]
+    # count / 16 of 16 draws: rows sum to one, every value a multiple of 1/16
+    assert torch.allclose(probs.sum(-1)[counted], torch.ones(()), atol=1e-5)
+    assert torch.allclose((probs * 16)[counted], (probs * 16)[counted].round(), atol=1e-4)
+    train(config(chat_teacher_dir, chats_file, tmp_path / "b", **kw))
+    train(config(chat_teacher_dir, chats_file, tmp_path / "c", **kw))
+    assert [r["loss"] for r in rows(tmp_path / "b")] == [r["loss"] for r in rows(tmp_path / "c")]
+    with pytest.raises(
+        ValueError, match="--online-samples: sampled targets .* expected divergence kl"
+    ):
+        train(config(chat_teacher_dir, chats_file, tmp_path / "d", online_k=0, online_samples=16))
+    with pytest.raises(
+        ValueError, match="--online-samples: expected the in-memory --teacher and no --online-k"
+    ):
+        train(config(chat_teacher_dir, chats_file, tmp_path / "e", online_samples=16))

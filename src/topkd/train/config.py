@@ -23,6 +23,7 @@ class TrainConfig:
     teacher_timeout: float = 120.0
     data: list[str] = field(default_factory=list)
     online_k: int = 0
+    online_samples: int = 0
     max_sequences: int = 0
     text_field: str = "text"
     messages_field: str = "messages"
@@ -78,6 +79,8 @@ TRAIN_HELP = {
     "teacher_timeout": "--teacher-url: seconds to wait for one answer before the run stops (its last checkpoint kept)",
     "data": "online mode: text files (.txt, .jsonl, .npy), packed as `topkd cache build` packs them",
     "online_k": "online mode: top-K taken on the fly (0: full-vocabulary KD)",
+    "online_samples": "online mode (and --on-policy): N draws a token from the in-memory teacher's softmax instead "
+    "of its top-K (sampled targets, as `cache build --targets sampled`; forward KL at T = 1)",
     "max_sequences": "online mode: use only the first this many packed sequences (as `cache build --max-sequences`)",
     "text_field": "online mode: JSONL field holding the text",
     "messages_field": "online mode: JSONL field holding a conversation (rendered with the teacher's chat template)",
@@ -239,6 +242,7 @@ def check_config(cfg: TrainConfig) -> None:
             require_path(flag, path, kind)
     require_ints(cfg, ("batch_size", "grad_accum", "steps"), 1)
     counts = ("seq_len", "warmup_steps", "checkpoint_every", "layers", "seed", "online_k", "top_k")
+    require_ints(cfg, ("online_samples",), 0)
     require_ints(cfg, (*counts, "max_sequences", "loader_workers"), 0)
     check_lora_and_reporting(cfg)
     check_on_policy(cfg)
@@ -273,6 +277,12 @@ def _check_modes(cfg: TrainConfig) -> None:
             f"seq_len={cfg.seq_len}"
         )
     check_train_on(cfg.train_on)
+    if cfg.online_samples and (not cfg.teacher or cfg.online_k):
+        raise ValueError(
+            f"--online-samples: expected the in-memory --teacher and no --online-k (draws replace the top-K), got "
+            f"teacher={cfg.teacher!r} teacher_url={cfg.teacher_url!r} online_k={cfg.online_k}; pass --teacher "
+            "and drop --online-k (a served teacher returns its top-K only)"
+        )
     if cfg.cache and (((cfg.data or cfg.online_k) and not both) or cfg.max_sequences):
         raise ValueError(
             f"--data, --online-k and --max-sequences belong to online mode (--teacher); with --cache "

@@ -13,6 +13,7 @@ training is the cache's log-prob quantisation. k=0 keeps the full distribution: 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import numpy as np
@@ -21,7 +22,8 @@ import torch
 from topkd.cache.building.compat import check_student_fits
 from topkd.cache.building.teacher import Teacher, tokenizer_hash
 from topkd.cache.format.engine_rows import EngineRows
-from topkd.cache.format.targets import TOPK, TargetKind
+from topkd.cache.format.sampled import Sampler
+from topkd.cache.format.targets import SAMPLED, TOPK, TargetKind
 from topkd.data.documents import iter_documents, pack_sequences, position_ids
 from topkd.models import model_head, soft_cap
 
@@ -40,6 +42,7 @@ class OnlineTeacher:
         max_sequences: int = 0,
         messages_field: str = "messages",
         train_on: str = "assistant",
+        samples: int = 0,
     ):
         if not 0 <= k <= teacher.vocab:
             raise ValueError(
@@ -51,6 +54,7 @@ class OnlineTeacher:
             k,
             list(temperatures),
         )
+        self.samples = samples  # > 0: sampled targets, that many draws a token (k is then 0)
         self.separator = teacher.tokenizer.eos_token_id
         self.vocab_size = teacher.vocab
         documents = iter_documents(
@@ -101,7 +105,8 @@ class OnlineTeacher:
 
     @property
     def target_kind(self) -> TargetKind:
-        return TOPK  # the teacher's top k exactly (k = 0: top-V, the whole distribution)
+        # the teacher's top k exactly (k = 0: top-V, the whole distribution), or its draws
+        return SAMPLED if self.samples else TOPK
 
     @property
     def tokens(self) -> int:
@@ -139,6 +144,10 @@ class OnlineTeacher:
         TeacherEngine interface, as the cache build takes them (equal lengths in one batch), or k = 0 the whole
         distribution."""
         temps = tuple(self.temperatures)
+        if self.samples:
+            return self.teacher.sequence_rows(
+                sequences, self.samples, temps, len(sequences), sampler=self._sampler(sequences)
+            )
         if self.k:
             return self.teacher.sequence_rows(sequences, self.k, temps, len(sequences))
         device = self.teacher.model.device
@@ -148,6 +157,13 @@ class OnlineTeacher:
             pos = torch.from_numpy(position_ids(len(seq.tokens), seq.doc_starts))[None].to(device)
             out.append(self._full_rows(ids, pos, temps))
         return out
+
+    def _sampler(self, sequences: list) -> Sampler:
+        """Draws seeded by the tokens they score: a resumed run (or a rerun) draws the same targets."""
+        tokens = b"".join(np.asarray(s.tokens, np.int64).tobytes() for s in sequences)
+        seed = int.from_bytes(hashlib.sha256(tokens).digest()[:8], "little") >> 1
+        generator = torch.Generator(device=self.teacher.model.device).manual_seed(seed)
+        return Sampler(generator, self.samples)
 
     @torch.no_grad()  # not inference_mode: these rows go into the autograd graph of the student's loss
     def _full_rows(

@@ -25,7 +25,7 @@ from topkd.train.lora import save_lora_student
 from topkd.train.on_policy import OnPolicy, open_on_policy
 from topkd.train.optim import lr_factor, make_optimizer
 from topkd.train.parallel import full_state_dict, shard_student
-from topkd.train.sources import check_source, open_scorer, open_source
+from topkd.train.sources import check_source, check_targets, open_scorer, open_source
 from topkd.train.student import KDStudent, Student, load_student
 
 
@@ -77,6 +77,8 @@ def open_run(cfg: TrainConfig, device: str, world: int) -> Run:
     check_paths(cfg, teacher_dir=source.teacher_dir if cfg.init_from_teacher else None)
     check_source(cfg, source)
     scorer = open_scorer(cfg, device, source, world) if cfg.on_policy else None
+    if scorer is not None and scorer is not source:
+        check_targets(cfg, scorer)  # its rows train too
     student = load_student(cfg, source)
     options = loss_options(cfg)
     column = logz_column(source, options.logz_temperature)

@@ -61,6 +61,7 @@ def _online_teacher(cfg: TrainConfig, device: str, seq_len: int) -> OnlineTeache
         cfg.max_sequences,
         cfg.messages_field,
         cfg.train_on,
+        cfg.online_samples,
     )
 
 
@@ -113,7 +114,8 @@ def check_targets(cfg: TrainConfig, source: SequenceSource) -> None:
     draws, no tail) only a forward divergence at T = 1."""
     problem = source.target_kind.training_problem(cfg.divergence, cfg.temperature, cfg.top_k)
     if problem:
+        where = f"cache {cfg.cache}" if isinstance(source, TopKCache) else "--online-samples"
         raise ValueError(
-            f"cache {cfg.cache}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
-            "--top-k, or train on a top-K cache"
+            f"{where}: {problem}; pass --divergence kl (or jsd, tvd), --temperature 1 and no "
+            "--top-k, or train on top-K rows"
         )
