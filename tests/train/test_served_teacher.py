@@ -29,15 +29,28 @@ def config(student, chats_file, out, **kw) -> TrainConfig:
     return TrainConfig(student=student, data=[chats_file], out=str(out), **SCHEDULE, **opts, **kw)
 
 
+@pytest.mark.parametrize(
+    "grad_accum", [1, 2]
+)  # 2: the server scores one micro-batch while the next is written
 def test_a_run_through_the_server_trains_as_the_teacher_in_memory(
-    chat_teacher_dir, chats_file, tmp_path
+    chat_teacher_dir, chats_file, tmp_path, grad_accum
 ):
-    server, url = served_server.start(chat_teacher_dir, cap=16)
+    server, url = served_server.start(chat_teacher_dir, cap=16, delay=0.2 * (grad_accum - 1))
     try:
-        train(config(chat_teacher_dir, chats_file, tmp_path / "served", teacher_url=url))
+        train(
+            config(
+                chat_teacher_dir,
+                chats_file,
+                tmp_path / "served",
+                teacher_url=url,
+                grad_accum=grad_accum,
+            )
+        )
     finally:
         served_server.stop(server)
-    train(config(chat_teacher_dir, chats_file, tmp_path / "memory", teacher=chat_teacher_dir))
+    memory = config(chat_teacher_dir, chats_file, tmp_path / "memory", teacher=chat_teacher_dir)
+    memory.grad_accum = grad_accum
+    train(memory)
     served, memory = rows(tmp_path / "served"), rows(tmp_path / "memory")
     assert [r["generated_tokens"] for r in served] == [r["generated_tokens"] for r in memory]
     for a, b in zip(served, memory):  # the tail is 1 - kept mass there, summed here: equal to ~1e-5

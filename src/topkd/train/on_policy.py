@@ -18,11 +18,13 @@ as GKD's lmbda; λ = 0 is online (or offline) training exactly.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from topkd.cache.building.served import ServedTeacher
 from topkd.data.documents import Sequence
 from topkd.data.prompts import chat_prompts, end_of_turn_ids
 from topkd.data.samples import collate
@@ -68,7 +70,10 @@ class OnPolicy:
             "completions": 0,
             "unscored": 0,
         }
-        batches = []
+        # a served teacher answers over the network: score micro-batch m there while the student writes m + 1
+        # (safe: the weights do not change within a step); a teacher in memory would share the cores instead
+        pool = ThreadPoolExecutor(1) if self.served and micro > 1 else None
+        scoring = []
         for m in range(micro):
             first = first_prompt + (m * world + rank) * size
             prompts = [self.prompt(i) for i in range(first, first + size)]
@@ -76,15 +81,35 @@ class OnPolicy:
             completions = generate(
                 model, prompts, self.settings, self._seed(step, m, rank), self.stop_ids, self.pad_id
             )
-            scored = time.perf_counter()
-            items = self._items(prompts, completions)
-            stats["unscored"] += sum(not item.pop("scored") for item in items)
-            batches.append(collate(items))
-            stats["generate_s"] += scored - start
-            stats["score_s"] += time.perf_counter() - scored
+            stats["generate_s"] += time.perf_counter() - start
             stats["generated_tokens"] += sum(len(c) for c in completions)
             stats["completions"] += len(completions)
+            if pool is None:
+                scoring.append(self._batch(prompts, completions))
+            else:
+                scoring.append(pool.submit(self._batch, prompts, completions))
+        waited = time.perf_counter()  # score_s: the time scoring kept the step waiting
+        batches = []
+        for done in scoring:
+            batch, unscored, seconds = done if pool is None else done.result()
+            batches.append(batch)
+            stats["unscored"] += unscored
+            stats["score_s"] += seconds if pool is None else 0.0
+        if pool is not None:
+            pool.shutdown()
+            stats["score_s"] += time.perf_counter() - waited
         return batches, stats
+
+    @property
+    def served(self) -> bool:
+        return isinstance(self.teacher.teacher, ServedTeacher)
+
+    def _batch(self, prompts: list[np.ndarray], completions: list[np.ndarray]):
+        """(the collated batch, its completions not wholly scored, the seconds scoring took)."""
+        start = time.perf_counter()
+        items = self._items(prompts, completions)
+        unscored = sum(not item.pop("scored") for item in items)
+        return collate(items), unscored, time.perf_counter() - start
 
     def _seed(self, step: int, micro: int, rank: int) -> int:
         return int(np.random.default_rng([self.seed, step, micro, rank]).integers(2**31))
