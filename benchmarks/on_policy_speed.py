@@ -25,15 +25,17 @@ import time
 import numpy as np
 import torch
 
-from topkd.base.files import write_json_atomic
-from topkd.bench import stamp
-from topkd.data.documents import Sequence
-from topkd.data.samples import collate
-from topkd.models.generate import generate
+from topkd.bench import (
+    Sequence,
+    completion_item,
+    generate,
+    open_run,
+    stamp,
+    train_step,
+    write_json_atomic,
+)
+from topkd.data import collate
 from topkd.train import TrainConfig
-from topkd.train.loop import train_step
-from topkd.train.on_policy import completion_item
-from topkd.train.run import open_run
 
 LIMIT = 1.3
 

@@ -21,11 +21,7 @@ import urllib.request
 
 import numpy as np
 
-from topkd.base.files import write_json_atomic
-from topkd.bench import stamp
-from topkd.cache.building.served import ServedTeacher, api_urls
-from topkd.cache.building.teacher import load_teacher
-from topkd.data.documents import Sequence
+from topkd.bench import Sequence, ServedTeacher, load_teacher, stamp, write_json_atomic
 
 
 def chat_sequences(tokenizer, path: str, n: int) -> list[Sequence]:
@@ -58,9 +54,9 @@ def agreement(served: list, memory: list) -> dict:
     }
 
 
-def server_version(url: str) -> str | None:
+def server_version(root: str) -> str | None:
     try:
-        with urllib.request.urlopen(api_urls(url)[1] + "/version", timeout=10) as r:
+        with urllib.request.urlopen(root + "/version", timeout=10) as r:
             return json.loads(r.read()).get("version")
     except (OSError, ValueError):
         return None
@@ -94,7 +90,7 @@ def main() -> None:
             "url": args.url,
             "dialect": client.api,
             "model": client.model,
-            "version": server_version(args.url),
+            "version": server_version(client.root),
         },
         "args": {
             "teacher": os.path.basename(os.path.normpath(args.teacher)),

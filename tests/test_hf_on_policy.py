@@ -1,6 +1,6 @@
-"""topkd.hf.OnPolicyKDTrainer: inside HF Trainer, the same on-policy steps as `topkd train --on-policy` (the same
-prompts, completions and losses, step by step, with topkd train's optimizer and schedule); what it cannot run is
-refused before training."""
+"""topkd.hf_on_policy.OnPolicyKDTrainer: inside HF Trainer, the steps of `topkd train --on-policy` (the same prompts,
+completions and losses, step by step, with topkd train's optimizer and schedule); what it cannot run is refused
+before training."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from topkd.train.optim import lr_factor, param_groups
 from topkd.train.student import cut_layers
 
 transformers = pytest.importorskip("transformers")
-from topkd.hf import OnPolicyKDTrainer  # noqa: E402
+from topkd.hf_on_policy import OnPolicyKDTrainer  # noqa: E402
 
 
 def _trainer(teacher_dir, chats_file, out, cfg, **kw):

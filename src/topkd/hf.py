@@ -10,7 +10,7 @@
                         loss=LossOptions(divergence="kl", tail="bucket", ce_weight=0.1))
     trainer.train()
 
-    OnPolicyKDTrainer(..., teacher=load_teacher("T"), prompts=["chats.jsonl"])   # GKD: topkd/hf_on_policy.py
+    from topkd.hf_on_policy import OnPolicyKDTrainer      # GKD: the student's own completions (that module)
 
     class KDSFTTrainer(KDTrainerMixin, trl.SFTTrainer):           # the same loss in TRL's SFTTrainer, which
         pass                                                     # takes `datasets` only: as_hf_dataset(data)
@@ -290,16 +290,6 @@ def final_hidden_states(model, inputs: dict) -> torch.Tensor:
         return_dict=True,
     )
     return out.hidden_states[-1]
-
-
-def __getattr__(name: str):
-    if (
-        name == "OnPolicyKDTrainer"
-    ):  # its own module (topkd/hf_on_policy.py), which builds on this one
-        from topkd.hf_on_policy import OnPolicyKDTrainer
-
-        return OnPolicyKDTrainer
-    raise AttributeError(f"module 'topkd.hf' has no attribute {name!r}")
 
 
 __all__ = [

@@ -1,7 +1,7 @@
-"""topkd.hf's on-policy trainer: `topkd train --on-policy` inside Hugging Face Trainer.
+"""topkd.hf_on_policy: `topkd train --on-policy` inside Hugging Face Trainer (beside topkd.hf's KDTrainer).
 
     from topkd.cache.building.teacher import load_teacher       # or served.ServedTeacher(url, tokenizer, vocab, k)
-    from topkd.hf import OnPolicyKDTrainer
+    from topkd.hf_on_policy import OnPolicyKDTrainer
     from topkd.loss import LossOptions
 
     trainer = OnPolicyKDTrainer(model=student, args=TrainingArguments(output_dir="runs/hf-gkd", ...),
@@ -152,3 +152,6 @@ class OnPolicyKDTrainer(KDTrainerMixin, transformers.Trainer):
             logs["completion_len"] = seen["tokens"] / max(seen["completions"], 1)
             self._op_logged = {k: 0 * v for k, v in seen.items()}
         super().log(logs, *args, **kwargs)
+
+
+__all__ = ["OnPolicyKDTrainer"]

@@ -2,7 +2,8 @@
 
 The names below are what the project's own scripts in benchmarks/ build on (tests/test_layers.py holds them to
 these and to the other packages' public names): a measurement in a fresh process, the results table, the plots,
-the teacher rows and kernel switch of a loss point, the cost model's prediction, and result stamps.
+the teacher rows and kernel switch of a loss point, the cost model's prediction, result stamps, and what the
+on-policy and served-teacher benchmarks time (a run and its step, generation, a teacher in memory or served).
 
     from topkd.bench import run_json_lines, results_table, Column, predict_point, H200
 """
@@ -20,11 +21,23 @@ from topkd.bench.common import (
 )
 from topkd.bench.model import H200, fused_kernels, predict_point
 from topkd.bench.point import peer_problem, teacher_rows
+from topkd.cache.building import ServedTeacher, load_teacher
+from topkd.data.documents import Sequence
+from topkd.models.generate import generate
+from topkd.train.loop import train_step
+from topkd.train.on_policy import completion_item
+from topkd.train.run import open_run
 
 __all__ = [
     "Column",
     "H200",
+    "Sequence",
+    "ServedTeacher",
+    "completion_item",
     "fused_kernels",
+    "generate",
+    "load_teacher",
+    "open_run",
     "out_of_memory",
     "peer_problem",
     "plot_vs_length",
@@ -35,5 +48,6 @@ __all__ = [
     "skipped_after_oom",
     "stamp",
     "teacher_rows",
+    "train_step",
     "write_json_atomic",
 ]
