@@ -107,6 +107,10 @@ class OnPolicyKDTrainer(KDTrainerMixin, transformers.Trainer):
         rows = head_model(self.model).get_output_embeddings().weight.shape[0]
         scorer.check_student(rows, self.processing_class)
         self._op_step, self._op_queue, self._op_tokens = -1, [], None
+        self._op_before = (
+            0,
+            0,
+        )  # (a step, the on-policy steps before it): counted on, not from 0 each step
         self._op_logged = {
             "steps": 0,
             "generate_s": 0.0,
@@ -142,6 +146,13 @@ class OnPolicyKDTrainer(KDTrainerMixin, transformers.Trainer):
         logged["completions"] += made["completions"]
         tokens = sum(b["kd_mask"].sum() for b in batches).to(self.args.device)
         return batches, tokens
+
+    def _on_policy_steps_before(self, step: int) -> int:
+        """How many steps before `step` were on-policy (a pure function of the seed: a resumed run counts again)."""
+        last, count = self._op_before if self._op_before[0] <= step else (0, 0)
+        count += sum(self.kd_on_policy.chooses(s) for s in range(last, step))
+        self._op_before = (step, count)
+        return count
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Adds the on-policy steps' generation and scoring seconds and mean completion length since the last log."""

@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -128,6 +131,49 @@ def start(
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    cmd: list[str], port: int, log_path, seconds: float, env=None
+) -> tuple[subprocess.Popen, str]:
+    """A real server process (llama-cpp-python's, vLLM's) listening on port: (the process, its base URL) once
+    GET /v1/models answers; it failing or taking over `seconds` fails the test with its log's tail."""
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url + "/models", timeout=5).read()
+            return proc, url
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.5)
+
+
+def chat_sequence(tokenizer, messages) -> Sequence:
+    """A conversation rendered with the tokenizer's chat template, as one packed sequence."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    return Sequence(np.asarray(ids, np.int64), np.zeros(1, np.int64), 0, 0)
+
+
+CHATS = [  # what the real-server tests score
+    [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+        {"role": "assistant", "content": "The capital of France is Paris, a city on the Seine."},
+    ],
+    [
+        {"role": "user", "content": "Write a haiku about rain."},
+        {
+            "role": "assistant",
+            "content": "Soft rain on the roof / whispers to the sleeping town / lights glow warm",
+        },
+    ],
+]
 
 
 def stop(server: ThreadingHTTPServer) -> None:

@@ -5,43 +5,20 @@ Slow: run by `make test-slow`."""
 
 import json
 import os
-import socket
-import subprocess
-import time
-import urllib.request
 
 import numpy as np
 import pytest
 
 from tests.assets import SMOLLM2, asset
+from tests.cache.served_server import CHATS, chat_sequence, free_port, launch
 from topkd.cache.building.served import ServedTeacher
 from topkd.cache.building.teacher import load_teacher
-from topkd.data.documents import Sequence
 from topkd.train import TrainConfig, train
 from topkd.train.student import cut_layers
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER_PYTHON = os.path.join(ROOT, ".venv-llama-cpp", "bin", "python")
-CHATS = [
-    [
-        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
-        {"role": "assistant", "content": "The capital of France is Paris, a city on the Seine."},
-    ],
-    [
-        {"role": "user", "content": "Write a haiku about rain."},
-        {
-            "role": "assistant",
-            "content": "Soft rain on the roof / whispers to the sleeping town / lights glow warm",
-        },
-    ],
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +27,10 @@ def server(tmp_path_factory):
         pytest.fail(
             f"expected llama-cpp-python's server in {SERVER_PYTHON}, got none; run `make llama-server-env`"
         )
-    port, log = free_port(), tmp_path_factory.mktemp("llama") / "server.log"
+    port = free_port()
     cmd = [SERVER_PYTHON, "-m", "llama_cpp.server", "--model", asset(SMOLLM2), "--port", str(port)]
     cmd += ["--n_ctx", "1024", "--logits_all", "true", "--n_threads", "2"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 180
-    while True:
-        try:
-            urllib.request.urlopen(url + "/models", timeout=5).read()
-            break
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, open(log).read()[-2000:]
-            time.sleep(0.5)
+    proc, url = launch(cmd, port, tmp_path_factory.mktemp("llama") / "server.log", 180)
     yield url
     proc.kill()
     proc.wait()
@@ -70,11 +39,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def teacher():
     return load_teacher(asset(SMOLLM2))
-
-
-def chat_sequence(tokenizer, messages) -> Sequence:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-    return Sequence(np.asarray(ids, np.int64), np.zeros(1, np.int64), 0, 0)
 
 
 def test_its_rows_agree_with_the_same_gguf_in_memory(server, teacher):

@@ -5,16 +5,12 @@ in its own environment: TOPKD_VLLM_PYTHON names that interpreter (for the CPU bu
 there); without it the test is skipped. Slow: run by `make test-slow`."""
 
 import os
-import socket
-import subprocess
-import time
-import urllib.request
 
 import numpy as np
 import pytest
 
 from tests.assets import SMOLLM2, asset
-from tests.cache.test_served_llama_cpp import CHATS, chat_sequence
+from tests.cache.served_server import CHATS, chat_sequence, free_port, launch
 from topkd.cache.building.served import ServedTeacher
 from topkd.cache.building.teacher import load_teacher
 from topkd.demo.run import hf_teacher
@@ -29,9 +25,7 @@ def served(tmp_path_factory):
         pytest.skip("TOPKD_VLLM_PYTHON is not set: no vLLM environment to start a server from")
     work = tmp_path_factory.mktemp("vllm")
     model = hf_teacher(asset(SMOLLM2), str(work / "teacher"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         PYTHON,
         "-m",
@@ -52,18 +46,7 @@ def served(tmp_path_factory):
     ]
     cmd += ["--no-enable-prefix-caching"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 600
-    while True:
-        try:
-            urllib.request.urlopen(url + "/models", timeout=5).read()
-            break
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, open(work / "server.log").read()[
-                -3000:
-            ]
-            time.sleep(1)
+    proc, url = launch(cmd, port, work / "server.log", 600, env)
     yield url, load_teacher(model)
     proc.kill()
     proc.wait()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -84,21 +85,19 @@ class OnPolicy:
             stats["generate_s"] += time.perf_counter() - start
             stats["generated_tokens"] += sum(len(c) for c in completions)
             stats["completions"] += len(completions)
-            if pool is None:
-                scoring.append(self._batch(prompts, completions))
-            else:
-                scoring.append(pool.submit(self._batch, prompts, completions))
-        waited = time.perf_counter()  # score_s: the time scoring kept the step waiting
-        batches = []
-        for done in scoring:
-            batch, unscored, seconds = done if pool is None else done.result()
-            batches.append(batch)
-            stats["unscored"] += unscored
-            stats["score_s"] += seconds if pool is None else 0.0
-        if pool is not None:
-            pool.shutdown()
+            job = partial(self._batch, prompts, completions)
+            scoring.append(job() if pool is None else pool.submit(job))
+        waited = time.perf_counter()
+        if (
+            pool is not None
+        ):  # score_s: how long scoring kept the step waiting once the last turn was written
+            with pool:
+                scoring = [future.result() for future in scoring]
             stats["score_s"] += time.perf_counter() - waited
-        return batches, stats
+        else:
+            stats["score_s"] += sum(seconds for _, _, seconds in scoring)
+        stats["unscored"] += sum(unscored for _, unscored, _ in scoring)
+        return [batch for batch, _, _ in scoring], stats
 
     @property
     def served(self) -> bool:
@@ -133,9 +132,8 @@ def completion_item(tokens: np.ndarray, prompt_len: int, rows, logz_column: int 
     ids = torch.from_numpy(tokens.astype(np.int64))
     counted = torch.zeros(n, dtype=torch.bool)
     counted[prompt_len - 1 : n - 1] = True  # row j predicts token j + 1
-    if (
-        rows.scored is not None
-    ):  # rows a served teacher did not score (it read other tokens): none count
+    # rows a served teacher did not score (it read other tokens): none count
+    if rows.scored is not None:
         counted &= torch.from_numpy(np.asarray(rows.scored, dtype=bool))
     labels = torch.full((n,), -100, dtype=torch.long)
     labels[prompt_len - 1 : n - 1] = torch.where(

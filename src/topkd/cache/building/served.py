@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from functools import cached_property
 
 import numpy as np
 
@@ -204,8 +205,12 @@ class ServedTeacher:
         self.source = self.url
         self.unaligned = 0  # pieces an echo server read as other tokens: left out of the loss
         self.model = self._model_name()
-        self.strings, self.id_of = id_strings(tokenizer, vocab)
         self.api = self._probe(api)
+
+    @cached_property
+    def _id_strings(self) -> tuple[list[str | None], dict[str, int]]:
+        """id_strings of the tokenizer: one decode per id, so made only once the echo dialect needs them."""
+        return id_strings(self.tokenizer, self.vocab)
 
     def _post(self, path: str, body: dict) -> dict:
         return self._call(path, json.dumps(body).encode())
@@ -253,11 +258,12 @@ class ServedTeacher:
                 self._score([ids])
                 return dialect
             except ServedError as e:
-                text = str(e).lower()
                 if e.unreachable:
                     raise
                 said = str(e).removeprefix(str(self.error("")))
-                if "max" in text and "logprob" in text:  # vLLM: "... greater than max allowed: 20"
+                if (
+                    "max" in said.lower() and "logprob" in said.lower()
+                ):  # vLLM: "... max allowed: 20"
                     raise self.error(
                         f"it refuses {self.k} log-probs a position ({said}); lower --online-k, or raise "
                         "the server's cap (vllm serve --max-logprobs K)"
@@ -310,27 +316,28 @@ class ServedTeacher:
     def _score(self, pieces: list[list[int]]) -> list[EngineRows]:
         if self.api == "vllm":
             choices = self._post("/v1/completions", vllm_request(pieces, self.k, self.model))
-            ordered = sorted(_choices(choices, len(pieces)), key=lambda c: c.get("index", 0))
+            ordered = sorted(self._choices(choices, len(pieces)), key=lambda c: c.get("index", 0))
             entries = [self._checked(vllm_entries, p, c, self.k) for p, c in zip(pieces, ordered)]
         else:
             entries = []
             for p in pieces:
                 text = self.tokenizer.decode(p, skip_special_tokens=False)
-                choice = _choices(
-                    self._post("/v1/completions", echo_request(text, self.k, self.model)), 1
-                )[0]
+                answer = self._post("/v1/completions", echo_request(text, self.k, self.model))
+                strings, id_of = self._id_strings
+                bos = self.tokenizer.bos_token_id
                 got = self._checked(
-                    echo_entries,
-                    p,
-                    choice,
-                    self.k,
-                    self.id_of,
-                    self.strings,
-                    self.tokenizer.bos_token_id,
+                    echo_entries, p, self._choices(answer, 1)[0], self.k, id_of, strings, bos
                 )
                 self.unaligned += all(row is None for row in got)
                 entries.append(got)
         return [self._rows(p, e) for p, e in zip(pieces, entries)]
+
+    def _choices(self, response: dict, n: int) -> list[dict]:
+        choices = response.get("choices")
+        if not isinstance(choices, list) or len(choices) != n:
+            got = len(choices) if isinstance(choices, list) else "none"
+            raise self.error(f"expected {n} choices (one per prompt sent), got {got}")
+        return choices
 
     def _checked(self, parse, piece, choice, *args):
         try:
@@ -362,14 +369,6 @@ class ServedTeacher:
             temperatures=temperatures,
             engine=f"served {self.api} {self.model}",
         )
-
-
-def _choices(response: dict, n: int) -> list[dict]:
-    choices = response.get("choices")
-    if not isinstance(choices, list) or len(choices) != n:
-        got = len(choices) if isinstance(choices, list) else "none"
-        raise ValueError(f"expected {n} choices (one per prompt sent), got {got}")
-    return choices
 
 
 def _server_message(e: urllib.error.HTTPError) -> str:
