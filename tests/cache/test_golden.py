@@ -200,3 +200,37 @@ def test_golden_version_4_shard_with_padding_entries(tmp_path):
         # the exact mass: one entry
         assert row.logprobs[1, 0] == pytest.approx(seqs[0].logprobs[1, 0], abs=1e-6)
         assert sorted(row.ids[0].tolist()) == [2, 7, 299] and np.isfinite(row.logprobs[0]).all()
+
+
+GOLDEN_V6_SHA256 = "ebe8365ed43e6fb2bd9bbda621d4505699267985153fc0d46d3cc2b5c1e34597"
+
+
+def test_golden_version_6_shard_with_text(tmp_path):
+    """Version 6 is an earlier layout (layout_version) plus each sequence's text: text_utf8 (UTF-8, concatenated),
+    text_offsets (bytes), char_len (int32 characters each input token owns; a separator or an overlapping
+    token owns none)."""
+    seqs = golden_sequences()
+    seqs[0].text, seqs[0].char_len = "Fé ", np.array([2, 1])
+    seqs[1].text, seqs[1].char_len = "", np.array([0])
+    identity = {"build_hash": "ab" * 32, "shard": 0, "sequences": "0,2"}
+    arrays, meta = encode_shard(
+        seqs, vocab=300, codec_name="rice-zstd", identity=identity, temperatures=(2.0,)
+    )
+    assert (meta["format_version"], meta["layout_version"]) == ("6", "2")
+    assert arrays["text_utf8"].tobytes() == b"F\xc3\xa9 "
+    assert arrays["text_offsets"].tolist() == [0, 4, 4] and arrays["text_offsets"].dtype == np.int64
+    assert arrays["char_len"].dtype == np.int32 and arrays["char_len"].tobytes().hex() == (
+        "020000000100000000000000"
+    )
+    path = tmp_path / "s.safetensors"
+    write_shard(str(path), arrays, meta)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN_V6_SHA256
+    reader = ShardReader(str(path))
+    first, second = reader.sequence(0), reader.sequence(1)
+    assert (first.text, first.char_len.tolist(), second.text) == ("Fé ", [2, 1], "")
+    # the rows are the version-2 layout's: the same decode as the pinned version-2 shard
+    plain = golden_sequences()
+    v2, v2_meta = encode_shard(
+        plain, vocab=300, codec_name="rice-zstd", identity=identity, temperatures=(2.0,)
+    )
+    assert all(np.array_equal(arrays[name], v2[name]) for name in v2)

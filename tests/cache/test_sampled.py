@@ -91,7 +91,7 @@ def test_a_sampled_cache_builds_reads_resumes_and_trains(teacher_dir, text_file,
     )
     build(cfg)
     cache = TopKCache(str(tmp_path / "c"))
-    assert cache.targets == "sampled" and cache.k == 16 and cache.manifest["format_version"] == 5
+    assert cache.targets == "sampled" and cache.k == 16 and _layout(cache) == (6, "5")
     row = cache[0]
     real = torch.isfinite(row["teacher_logprobs"])
     assert (real.sum(1) >= 1).all() and (real.sum(1) < 16).any()  # rows of variable K
@@ -148,7 +148,7 @@ def test_a_hybrid_cache_builds_and_trains(teacher_dir, text_file, tmp_path):
         and cache.k == 16
         and cache.manifest["build"]["targets"]["head"] == 4
     )
-    assert cache.manifest["format_version"] == 5 and cache.verify() == []
+    assert _layout(cache) == (6, "5") and cache.verify() == []
     row = cache[0]
     real = torch.isfinite(row["teacher_logprobs"])
     assert (real.sum(1) >= 4).all()  # the head, then the distinct draws
@@ -198,7 +198,7 @@ def test_an_adaptive_cache_keeps_the_tail_exact_and_trains_tempered(
         )
     )
     cache = TopKCache(str(tmp_path / "c"))
-    assert cache.targets == "topp" and cache.manifest["format_version"] == 5
+    assert cache.targets == "topp" and _layout(cache) == (6, "5")
     row = cache[1]
     real = torch.isfinite(row["teacher_logprobs"])
     assert (real.sum(1) >= 2).all() and (real.sum(1) < 16).any()
@@ -218,3 +218,8 @@ def test_an_adaptive_cache_keeps_the_tail_exact_and_trains_tempered(
         )
     )
     assert np.isfinite(losses(tmp_path / "run")).all()
+
+
+def _layout(cache) -> tuple[int, str]:
+    """A built cache's format version (6: text recorded) and the layout its rows use."""
+    return cache.manifest["format_version"], cache.shard(0).meta["layout_version"]

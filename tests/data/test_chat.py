@@ -77,7 +77,8 @@ def test_a_chat_cache_counts_exactly_the_assistant_tokens(chat_teacher, tmp_path
     cache = TopKCache(str(tmp_path / "cache"))
     tok = AutoTokenizer.from_pretrained(chat_teacher)
     expected = [chat_document(m, tok) for m in talks]
-    assert cache.manifest["format_version"] == 3
+    # version 6 (the conversation's text recorded) over a version-3 layout (a row mask)
+    assert cache.manifest["format_version"] == 6 and cache.shard(0).meta["layout_version"] == "3"
     # the separator is no target
     assert cache.counted_tokens == sum(int(d.targets.sum()) for d in expected)
     ids = torch.cat([cache[i]["input_ids"] for i in range(len(cache))])

@@ -118,3 +118,37 @@ def test_text_blocks_cut_long_lines_at_spaces_and_keep_every_character(tmp_path,
     # a spaceless run is cut hard
     assert all(b.endswith((" ", "\n")) for b in blocks if "yyyy" not in b)
     assert max(len(b) for b in blocks) <= 2 * 64
+
+
+def _spelled_pieces(seq):
+    """A packed sequence's text cut at its tokens' owned spans."""
+    ends = np.cumsum(seq.char_len)
+    return [seq.text[a:e] for a, e in zip(np.concatenate([[0], ends[:-1]]), ends)]
+
+
+def test_packed_sequences_carry_the_text_their_tokens_own(teacher_dir, documents_file, tmp_path):
+    """with_text: every sequence's owned spans partition its text, a separator owns nothing, and the texts of all
+    sequences, in order, are the documents' texts (a .txt document read in blocks too)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    texts = [json.loads(line)["text"] for line in open(documents_file)]
+    big = tmp_path / "big.txt"
+    big.write_text("é — crown\n" * 40)
+    docs = iter_documents([documents_file, str(big)], tok, with_text=True)
+    seqs = list(pack_sequences(docs, 7, separator=tok.eos_token_id))
+    assert all(len(s.char_len) == len(s.tokens) and s.char_len.sum() == len(s.text) for s in seqs)
+    assert "".join(s.text for s in seqs) == "".join(texts) + big.read_text()
+    separators = np.concatenate([s.tokens == tok.eos_token_id for s in seqs])
+    assert (np.concatenate([s.char_len for s in seqs])[separators] == 0).all()
+    some = next(s for s in seqs if len(s.doc_starts) > 1)
+    assert "".join(_spelled_pieces(some)) == some.text
+    # without with_text nothing changes: bare ids
+    plain = list(pack_sequences(iter_documents([documents_file], tok), 7, tok.eos_token_id))
+    assert plain[0].text is None and plain[0].char_len is None
+
+
+def test_ids_without_text_make_sequences_without_text(tmp_path):
+    np.save(tmp_path / "stream.npy", np.arange(9).astype(np.int64))
+    docs = iter_documents([str(tmp_path / "stream.npy")], CharTokenizer(), with_text=True)
+    assert all(s.text is None for s in pack_sequences(docs, 4, separator=None))

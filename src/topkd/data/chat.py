@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from topkd.data.spans import owned_lengths
+
 TRAIN_ON = ("assistant", "all")
 
 
@@ -30,6 +32,10 @@ def check_train_on(train_on: str) -> None:
 class ChatDocument:
     tokens: np.ndarray  # [L] int64
     targets: np.ndarray  # [L] bool: this token is a training target (its preceding row counts)
+    text: str | None = None  # the rendered conversation
+    char_len: np.ndarray | None = (
+        None  # [L] int64: characters of text each token owns (topkd.data.spans)
+    )
 
 
 def check_messages(messages, where: str) -> None:
@@ -134,13 +140,14 @@ def chat_document(
     text = render(tokenizer, messages, where=where)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     tokens = np.asarray(encoded["input_ids"], dtype=np.int64)
+    char_len = owned_lengths(encoded["offset_mapping"], len(text))
     if train_on == "all":
-        return ChatDocument(tokens, np.ones(len(tokens), dtype=bool))
+        return ChatDocument(tokens, np.ones(len(tokens), dtype=bool), text, char_len)
     starts = np.asarray([a for a, _ in encoded["offset_mapping"]], dtype=np.int64)
     targets = np.zeros(len(tokens), dtype=bool)
     for a, e in assistant_spans(tokenizer, messages, text, where):
         targets |= (starts >= a) & (starts < e)
-    return ChatDocument(tokens, targets)
+    return ChatDocument(tokens, targets, text, char_len)
 
 
 def check_chat_tokenizer(tokenizer, template_file: str = "") -> None:

@@ -9,6 +9,8 @@ line longer than that, at a space), so the memory a build needs does not grow wi
 `--max-sequences` reads only what it uses.
 Each sequence records where documents start in it, so training can reset positions and mask
 attention and loss across them. A 2-D .npy array is taken as ready-made sequences, one per row.
+With `with_text=True` (cache build) text documents come as TextTokens, and each sequence cut from them carries
+its text and the characters each token owns (topkd.data.spans): what cross-tokenizer students re-tokenise.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topkd.data.chat import ChatDocument, chat_document, check_text
+from topkd.data.spans import owned_lengths
 
 TEXT_BLOCK_CHARS = 1 << 20  # a large text file is tokenised in blocks of whole lines
 SUFFIXES = (".txt", ".jsonl", ".npy")
@@ -38,6 +41,20 @@ class Sequence:
     token_offset: int  # offset of tokens[0] in the concatenated token stream
     # [L] bool: row t counts (token t + 1 is a target); None: every row
     row_mask: np.ndarray | None = None
+    text: str | None = None  # the text the tokens spell (None: ids without text, e.g. .npy)
+    char_len: np.ndarray | None = None  # [L] int64: characters of text each token owns
+
+
+@dataclass
+class TextTokens:
+    """Tokens with the text they spell: token i owns char_len[i] characters of text (topkd.data.spans)."""
+
+    tokens: np.ndarray  # [L] int64
+    char_len: np.ndarray  # [L] int64, sums to len(text)
+    text: str
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
 
 def check_paths(paths: list[str]) -> None:
@@ -60,11 +77,14 @@ def iter_documents(
     vocab: int | None = None,
     messages_field: str = "messages",
     train_on: str = "assistant",
+    with_text: bool = False,
 ) -> Iterator[np.ndarray | list | Iterator[np.ndarray] | ChatDocument]:
     """One item per document: a token array (.jsonl text, 1-D .npy), a ChatDocument (.jsonl conversation in
     messages_field, see topkd.data.chat), an iterator of token blocks (.txt, read lazily), or a list of arrays
-    (a 2-D .npy: ready-made sequences). vocab: refuse ids outside [0, vocab)."""
+    (a 2-D .npy: ready-made sequences). vocab: refuse ids outside [0, vocab). with_text (a fast tokenizer's
+    offsets needed): text comes as TextTokens instead of arrays."""
     check_paths(paths)
+    encode = _encode_with_text if with_text else _encode
     for path in paths:
         if path.endswith(".npy"):
             arr = np.load(path, mmap_mode="r")
@@ -81,18 +101,20 @@ def iter_documents(
                 else [np.asarray(r, np.int64) for r in arr]
             )
         elif path.endswith(".jsonl"):
-            yield from _jsonl_documents(path, tokenizer, text_field, messages_field, train_on)
+            yield from _jsonl_documents(
+                path, tokenizer, text_field, messages_field, train_on, encode
+            )
         else:
-            yield (_encode(tokenizer, block) for block in _text_blocks(path))
+            yield (encode(tokenizer, block) for block in _text_blocks(path))
 
 
 def whole(document) -> np.ndarray:
     """A document's tokens as one array (a .txt document comes as an iterator of blocks)."""
-    if isinstance(document, ChatDocument):
+    if isinstance(document, (ChatDocument, TextTokens)):
         return document.tokens
     if isinstance(document, np.ndarray):
         return document
-    parts = list(document)
+    parts = [whole(part) for part in document]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
@@ -136,8 +158,8 @@ def chat_roles(paths: list[str], messages_field: str = "messages") -> Counter:
 
 
 def _jsonl_documents(
-    path: str, tokenizer, field: str, messages_field: str, train_on: str
-) -> Iterator[np.ndarray | ChatDocument]:
+    path: str, tokenizer, field: str, messages_field: str, train_on: str, encode
+) -> Iterator[np.ndarray | TextTokens | ChatDocument]:
     """A text record is one document; a conversation record (messages_field) is one ChatDocument."""
     for line_no, record in jsonl_records(path):
         where = f"{path}:{line_no}"
@@ -163,7 +185,7 @@ def _jsonl_documents(
                 "set --text-field or --messages-field"
             )
         check_text(record[field], where, field)
-        yield _encode(tokenizer, record[field])
+        yield encode(tokenizer, record[field])
 
 
 def _text_blocks(path: str) -> Iterator[str]:
@@ -228,6 +250,17 @@ def _encode(tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
+def _encode_with_text(tokenizer, text: str) -> TextTokens:
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    tokens = np.asarray(encoded["input_ids"], dtype=np.int64)
+    return TextTokens(tokens, owned_lengths(encoded["offset_mapping"], len(text)), text)
+
+
+def text_tokens_supported(tokenizer) -> bool:
+    """Whether a tokenizer maps tokens to text offsets (a fast, Rust tokenizer), which with_text needs."""
+    return bool(getattr(tokenizer, "is_fast", False))
+
+
 def pack_sequences(documents: Iterable, seq_len: int, separator: int | None) -> Iterator[Sequence]:
     """Concatenate documents (each followed by the separator) and cut into seq_len sequences. Chat documents
     carry targets: then every sequence gets a row mask (row t counts iff token t + 1 is a target; the
@@ -244,37 +277,53 @@ def pack_sequences(documents: Iterable, seq_len: int, separator: int | None) -> 
         packer.start_document()
         chat = isinstance(doc, ChatDocument)
         if chat:
-            pieces = [doc.tokens]
+            pieces = [doc]
         else:  # token ids: one array, or already cut into pieces
-            pieces = [doc] if isinstance(doc, np.ndarray) else doc
+            pieces = [doc] if isinstance(doc, (np.ndarray, TextTokens)) else doc
         # None: the end, where the separator goes
-        for n, piece in enumerate(itertools.chain(pieces, [None])):
+        for piece in itertools.chain(pieces, [None]):
             if piece is None:
                 tokens = np.asarray([separator] if separator is not None else [], dtype=np.int64)
                 # after a conversation the separator is no target
-                targets = np.full(len(tokens), not chat)
+                targets, spelled = (
+                    np.full(len(tokens), not chat),
+                    (np.zeros(len(tokens), np.int64), ""),
+                )
             else:
-                tokens = np.asarray(piece, dtype=np.int64)
+                tokens = np.asarray(whole(piece), dtype=np.int64)
                 targets = doc.targets if chat else np.ones(len(tokens), dtype=bool)
-            yield from packer.add(tokens, targets, masked=chat)
+                spelled = _spelled(piece)
+            yield from packer.add(tokens, targets, masked=chat, spelled=spelled)
     yield from packer.flush()
 
 
+def _spelled(piece) -> tuple[np.ndarray, str] | None:
+    """(characters each token owns, the text) of a piece that carries its text; None for bare ids."""
+    char_len = getattr(piece, "char_len", None)
+    return None if char_len is None else (np.asarray(char_len, np.int64), piece.text)
+
+
 class _Packer:
-    """The token stream being cut into sequences, with document starts and (chat data) per-token targets."""
+    """The token stream being cut into sequences, with document starts, (chat data) per-token targets and, where
+    the documents carry it, the text: each token's owned characters (-1: unknown) and the text not yet emitted."""
 
     def __init__(self, seq_len: int):
         self.seq_len, self.stream, self.targets = seq_len, np.zeros(0, np.int64), np.zeros(0, bool)
+        self.chars, self.text = np.zeros(0, np.int64), ""
         self.starts: list[int] = []  # in stream coordinates
         self.offset, self.index, self.masked = 0, 0, False
 
     def start_document(self) -> None:
         self.starts.append(self.offset + len(self.stream))
 
-    def add(self, tokens: np.ndarray, targets: np.ndarray, masked: bool) -> Iterator[Sequence]:
+    def add(
+        self, tokens: np.ndarray, targets: np.ndarray, masked: bool, spelled=None
+    ) -> Iterator[Sequence]:
         self.masked = self.masked or masked
         self.stream = np.concatenate([self.stream, tokens])
         self.targets = np.concatenate([self.targets, targets])
+        chars, text = spelled if spelled is not None else (np.full(len(tokens), -1), "")
+        self.chars, self.text = np.concatenate([self.chars, chars]), self.text + text
         # one token beyond the cut: the last row's target is known
         while len(self.stream) > self.seq_len:
             yield self._emit(self.seq_len, self.targets[1 : self.seq_len + 1])
@@ -289,15 +338,21 @@ class _Packer:
             self.index, self.offset = self.index + 1, self.offset + len(row)
 
     def _emit(self, n: int, row_targets: np.ndarray) -> Sequence:
+        chars = self.chars[:n]
+        spelled = bool((chars >= 0).all())
+        used = int(chars[chars > 0].sum())  # characters of known text these tokens own
         seq = Sequence(
             self.stream[:n],
             _starts_in(self.starts, self.offset, self.offset + n),
             self.index,
             self.offset,
             row_targets.copy() if self.masked else None,
+            text=self.text[:used] if spelled else None,
+            char_len=chars.copy() if spelled else None,
         )
         self.starts = [s for s in self.starts if s >= self.offset + n]
         self.stream, self.targets = self.stream[n:], self.targets[n:]
+        self.chars, self.text = self.chars[n:], self.text[used:]
         self.offset, self.index = self.offset + n, self.index + 1
         return seq
 

@@ -38,7 +38,7 @@ from topkd.cache.format.sampled import Sampler, sampling_seed
 from topkd.cache.format.shard import encode_shard, shard_facts, write_shard
 from topkd.cache.format.targets import target_kind
 from topkd.data.chat import check_chat_tokenizer
-from topkd.data.documents import chat_roles, iter_documents, pack_sequences
+from topkd.data.documents import chat_roles, iter_documents, pack_sequences, text_tokens_supported
 
 
 def build(cfg: CacheBuildConfig) -> dict:
@@ -252,6 +252,8 @@ def _sequences(teacher, cfg: CacheBuildConfig):
         vocab=teacher.vocab,
         messages_field=cfg.messages_field,
         train_on=cfg.train_on,
+        # the text and each token's characters (format version 6): what a student of another tokenizer aligns by
+        with_text=text_tokens_supported(teacher.tokenizer),
     )
     seqs = pack_sequences(docs, cfg.seq_len, teacher.tokenizer.eos_token_id)
     return itertools.islice(seqs, cfg.max_sequences) if cfg.max_sequences else seqs

@@ -108,4 +108,6 @@ def teacher_sequence(seq, rows: EngineRows) -> TeacherSequence:
         token_offset=seq.token_offset,
         log_mass_t=rows.log_mass_t,
         row_mask=seq.row_mask,
+        text=seq.text,
+        char_len=seq.char_len,
     )

@@ -19,17 +19,19 @@ from safetensors.numpy import save
 
 from topkd.base.files import write_atomic
 from topkd.cache.format import codec, shard_codecs
+from topkd.cache.format.text import TEXT_TENSORS, TEXT_VERSION, read_text, text_arrays
 
 # Format versions. 2: per-token compander scale, exact tempered head mass, shard identity in meta_json. 3: a per-row
 # loss mask (row_mask, chat data); a shard without row_mask is written as version 2, byte for byte as before.
 # 4: rows of variable K (sampled targets): version 3 plus padding entries (log-prob code 255, decoded -inf).
 # 5: rows of variable K stored ragged (rice-zstd: cache/format/ragged.py), sampled targets as draw counts.
+# 6: any of those layouts (meta_json's layout_version) plus each sequence's text (cache/format/text.py).
 # Earlier versions still open.
 FORMAT_VERSION = 3
 UNMASKED_VERSION = 2
 VARIABLE_K_VERSION = 4
 RAGGED_VERSION = 5
-READABLE_VERSIONS = (2, 3, 4, 5)
+READABLE_VERSIONS = (2, 3, 4, 5, TEXT_VERSION)
 BASE_TENSORS = frozenset({"input_ids", "seq_rows", "seq_source", "seq_token_offset", "doc_starts"})
 # implied by draw counts (version 5)
 SCALAR_TENSORS = frozenset({"log_mass", "log_tail", "logz", "log_mass_t"})
@@ -54,6 +56,10 @@ class TeacherSequence:
     log_mass_t: np.ndarray | None = None
     # [L] bool: row t counts for KD and CE (chat targets); None: every row
     row_mask: np.ndarray | None = None
+    text: str | None = None  # version 6: the text the input ids spell (None: not recorded)
+    char_len: np.ndarray | None = (
+        None  # [L] characters of text each input token owns (topkd.data.spans)
+    )
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -103,7 +109,10 @@ def encode_shard(
     )
     if ragged:
         arrays = _ragged_arrays(arrays, vocab, samples, temperatures)
-    return {**arrays, **coded}, {**meta, **coded_meta}
+    text = text_arrays(seqs)
+    if text:  # version 6: the layout above, read as its own version, plus the text
+        meta.update(format_version=str(TEXT_VERSION), layout_version=meta["format_version"])
+    return {**arrays, **coded, **text}, {**meta, **coded_meta}
 
 
 def _joined(seqs: list[TeacherSequence], name: str) -> np.ndarray:
@@ -182,12 +191,24 @@ def _ragged_arrays(
 
 def expected_tensors(meta: dict, codec_tensors: frozenset) -> frozenset:
     """The tensors a shard of this meta must hold (besides meta_json): the reader refuses any other set.
-    row_mask: versions 3 and 4 always, version 5 when its meta says `masked`."""
-    version = int(meta.get("format_version", UNMASKED_VERSION))
+    row_mask: versions 3 and 4 always, version 5 when its meta says `masked`; version 6 adds the text."""
+    version = layout_version(meta)
     scalars = frozenset() if meta.get("values") == "counts" else SCALAR_TENSORS
     masked = version in (FORMAT_VERSION, VARIABLE_K_VERSION) or meta.get("masked") == "1"
     mask = frozenset({"row_mask"}) if masked else frozenset()
-    return BASE_TENSORS | scalars | codec_tensors | mask
+    text = TEXT_TENSORS if int(meta.get("format_version", 2)) == TEXT_VERSION else frozenset()
+    return BASE_TENSORS | scalars | codec_tensors | mask | text
+
+
+def layout_version(meta: dict) -> int:
+    """The version whose layout a shard's rows use: its format_version, or a version-6 shard's layout_version."""
+    version = int(meta.get("format_version", UNMASKED_VERSION))
+    if version != TEXT_VERSION:
+        return version
+    layout = int(meta["layout_version"])
+    if layout not in READABLE_VERSIONS[:-1]:
+        raise ValueError(f"layout_version: expected one of {READABLE_VERSIONS[:-1]}, got {layout}")
+    return layout
 
 
 def _tempered_masses(seqs: list[TeacherSequence], n_temperatures: int) -> np.ndarray:
@@ -265,7 +286,8 @@ class ShardReader:
     def _parse_meta(self, meta: dict) -> None:
         """Every header field a decode reads, parsed once here: a missing or malformed one fails now."""
         self.k, self.codec, self.vocab = int(meta["k"]), meta["codec"], int(meta["vocab"])
-        version = int(meta.get("format_version", 2))
+        version = layout_version(meta)
+        self.has_text = int(meta.get("format_version", 2)) == TEXT_VERSION
         self.variable_k = version >= VARIABLE_K_VERSION  # padding entries
         self.ragged = version >= RAGGED_VERSION  # cache/format/ragged.py
         self.samples = int(meta["samples"]) if meta.get("values") == "counts" else None
@@ -329,6 +351,7 @@ class ShardReader:
         ids, logprobs = self.id_codec.decode(self, j, a, e, scalars["log_mass"])
         self._check_rows(j, ids, logprobs)
         starts = self.doc_starts[(self.doc_starts >= a) & (self.doc_starts < e)] - a
+        text, char_len = read_text(self, j, a, e) if self.has_text else (None, None)
         return TeacherSequence(
             input_ids=self.rows("input_ids", a, e).astype(np.int64),
             ids=ids,
@@ -341,7 +364,13 @@ class ShardReader:
             log_tail=scalars["log_tail"],
             log_mass_t=scalars["log_mass_t"],
             row_mask=self.rows("row_mask", a, e).astype(bool) if "row_mask" in self.names else None,
+            text=text,
+            char_len=char_len,
         )
+
+    def error(self, what: str) -> ShardError:
+        """A refusal of this shard as corrupt, naming it."""
+        return ShardError(f"{self.path}: {what}; the shard is corrupt")
 
     def _check_rows(self, j: int, ids: np.ndarray, logprobs: np.ndarray) -> None:
         """What every decoded row must be, checked as it leaves the decoder (a shard rewritten with matching

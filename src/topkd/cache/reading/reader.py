@@ -25,8 +25,15 @@ from topkd.cache.building.compat import (
     tokenizer_problems,
 )
 from topkd.cache.format import manifest as mf
-from topkd.cache.format.shard import ShardReader, expected_tensors, read_row_counts, sequence_max_id
+from topkd.cache.format.shard import (
+    ShardReader,
+    TeacherSequence,
+    expected_tensors,
+    read_row_counts,
+    sequence_max_id,
+)
 from topkd.cache.format.targets import TargetKind, kind_of_manifest
+from topkd.cache.format.text import TEXT_VERSION
 
 OPEN_SHARDS = 64
 # one row per token
@@ -41,6 +48,7 @@ ROW_TENSORS = {
     "id_rem",
     "ids_packed",
     "row_mask",
+    "char_len",
 }
 
 
@@ -77,6 +85,13 @@ class TopKCache:
     def target_kind(self) -> TargetKind:
         """What its rows hold and allow (topkd/cache/format/targets.py)."""
         return kind_of_manifest(self.manifest["build"])
+
+    @property
+    def has_text(self) -> bool:
+        """Whether every shard records its sequences' text and token spans (format version 6): what a student of
+        another tokenizer needs (topkd train --cross-tokenizer)."""
+        shards = self.manifest["shards"]
+        return bool(shards) and all(s["format_version"] == TEXT_VERSION for s in shards)
 
     @property
     def teacher_dir(self) -> str:
@@ -170,6 +185,22 @@ class TopKCache:
         return j, i - self._first[j]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | int]:
+        seq = self.sequence(i)
+        return {
+            "input_ids": torch.from_numpy(seq.input_ids),
+            "teacher_ids": torch.from_numpy(seq.ids),
+            "teacher_logprobs": torch.from_numpy(seq.logprobs),
+            "log_tail": torch.from_numpy(seq.log_tail),
+            "log_mass": torch.from_numpy(seq.log_mass),
+            "logz": torch.from_numpy(seq.logz),
+            "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)),
+            "source_index": seq.source_index,
+            "token_offset": seq.token_offset,
+            **({} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}),
+        }
+
+    def sequence(self, i: int) -> TeacherSequence:
+        """Sequence i as its shard decodes it (numpy arrays, with its text in version 6), checked as [i] is."""
         j, local = self.locate(i)
         if self.verify_reads and (os.getpid(), j) not in self._verified:
             problem = mf.check_shard(
@@ -183,18 +214,7 @@ class TopKCache:
             self._verified.add((os.getpid(), j))
         seq = self.shard(j).sequence(local)
         self._check_max_id(j, i, seq)
-        return {
-            "input_ids": torch.from_numpy(seq.input_ids),
-            "teacher_ids": torch.from_numpy(seq.ids),
-            "teacher_logprobs": torch.from_numpy(seq.logprobs),
-            "log_tail": torch.from_numpy(seq.log_tail),
-            "log_mass": torch.from_numpy(seq.log_mass),
-            "logz": torch.from_numpy(seq.logz),
-            "doc_starts": torch.from_numpy(seq.doc_starts.astype(np.int64)),
-            "source_index": seq.source_index,
-            "token_offset": seq.token_offset,
-            **({} if seq.row_mask is None else {"row_mask": torch.from_numpy(seq.row_mask)}),
-        }
+        return seq
 
     def _check_max_id(self, j: int, i: int, seq) -> None:
         """The sidecar's max_id decides which student heads may read this cache (check_student): no row may
