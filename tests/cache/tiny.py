@@ -31,8 +31,10 @@ def make_teacher(
     layers: int = 2,
     seed: int = 0,
     head_scale: float = 40.0,
+    eos: str = "<eos>",
 ) -> str:
-    """Save a random LlamaForCausalLM + BPE tokenizer (trained on make_text) to `path`."""
+    """Save a random LlamaForCausalLM + BPE tokenizer (trained on make_text) to `path`; another vocab size or eos
+    makes a student of another tokenizer (the merges differ)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -40,14 +42,12 @@ def make_teacher(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab, special_tokens=[eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(
         [make_text(5000, s) for s in range(4)] + [w * 3 for w in WORDS], trainer
     )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,

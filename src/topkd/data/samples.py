@@ -22,6 +22,9 @@ import torch
 from topkd.data.documents import position_ids
 
 PACKINGS = ("documents", "cross", "none")
+# per-row keys a source may add beside the teacher rows, carried through slicing and padding (0 past the end):
+# the cross-tokenizer source's (topkd.train.cross)
+EXTRA_ROW_KEYS = ("cross_kind", "chain_len", "uld_rest")
 
 
 class SequenceSource(Protocol):
@@ -194,6 +197,7 @@ class SampleStream:
             "teacher_ids": row["teacher_ids"][a:e],
             "teacher_logprobs": row["teacher_logprobs"][a:e],
         }
+        piece.update({name: row[name][a:e] for name in EXTRA_ROW_KEYS if name in row})
         # c_T for the loss's temperature, only where the loss needs it
         if self.logz_column is not None:
             piece["teacher_logz"] = row["logz"][a:e, self.logz_column]

@@ -12,6 +12,7 @@ from topkd.base.files import write_json_atomic
 from topkd.data.chat import check_train_on
 from topkd.data.samples import PACKINGS
 from topkd.loss.options import LossOptions
+from topkd.train.cross import check_cross_config
 from topkd.train.report import require_reporter
 
 
@@ -63,6 +64,7 @@ class TrainConfig:
     merge: bool = False
     report_to: str = "none"
     fold_beyond_vocab: bool = False
+    cross_tokenizer: str = ""
     on_policy: bool = False
     on_policy_fraction: float = 1.0
     max_new_tokens: int = 64
@@ -126,6 +128,9 @@ TRAIN_HELP = {
     "merge": "with --lora-rank: also fold the adapters into the weights and write that model to final/",
     "fold_beyond_vocab": "a student head smaller than the cache's teacher ids: fold the teacher's mass on ids "
     "beyond it into the tail bucket (exact in the bucket loss) instead of refusing the student",
+    "cross_tokenizer": "uld | align: a --student whose tokenizer is not the teacher's, from a --cache with text "
+    "(topkd/train/cross.py): uld trains every aligned row with ULD's sorted L1, align exact KD where the next "
+    "tokens map one to one and ULD elsewhere",
     "on_policy": "online mode on chat --data: the student writes each assistant turn, the teacher scores it in "
     "memory, and only the written tokens train (topkd/train/on_policy.py); --divergence reverse_kl is the "
     "on-policy distillation recipe, kl / jsd GKD's",
@@ -246,6 +251,7 @@ def check_config(cfg: TrainConfig) -> None:
     require_ints(cfg, (*counts, "max_sequences", "loader_workers"), 0)
     check_lora_and_reporting(cfg)
     check_on_policy(cfg)
+    check_cross_config(cfg)
     if not (cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.clip >= 0 and cfg.weight_decay >= 0):
         raise ValueError(
             f"expected lr > 0, 0 <= min_lr_ratio <= 1, clip >= 0, weight_decay >= 0; got lr={cfg.lr}, "

@@ -15,11 +15,15 @@ from topkd.cache.building.teacher import TeacherEngine, load_teacher, tokenizer_
 from topkd.data.samples import SequenceSource
 from topkd.models import load_tokenizer
 from topkd.train.config import TrainConfig, loss_options, teacher_of
+from topkd.train.cross import CrossTokenizerSource
 from topkd.train.online import OnlineTeacher
 
 
 def open_source(cfg: TrainConfig, device: str) -> TopKCache | OnlineTeacher:
     """Where teacher rows come from: the cache (offline) or the teacher run in memory (online)."""
+    if cfg.cache and cfg.cross_tokenizer:
+        tokenizer = load_tokenizer(cfg.student, "student")
+        return CrossTokenizerSource(TopKCache(cfg.cache), tokenizer, cfg.cross_tokenizer)
     if cfg.cache:
         return TopKCache(cfg.cache)
     return _online_teacher(cfg, device, cfg.seq_len)

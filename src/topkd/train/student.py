@@ -22,6 +22,7 @@ from topkd.loss import fused_linear_kd, kd_loss, loss_parts
 from topkd.loss.fold import fold_beyond
 from topkd.loss.options import LossOptions
 from topkd.models import final_hidden, load_causal_lm, model_head
+from topkd.train.cross import cross_batch_loss
 from topkd.train.lora import add_adapters
 
 
@@ -164,6 +165,13 @@ def batch_loss(
             bias,
             batch["labels"].reshape(-1),
         )
+    if "cross_kind" in batch:  # a CrossTokenizerSource's samples (--cross-tokenizer)
+        if bias is not None or softcap:
+            raise ValueError(
+                "--cross-tokenizer: expected a student head without bias or logit soft-capping, got "
+                f"bias={bias is not None}, softcap={softcap}; the cross-tokenizer loss has neither"
+            )
+        return cross_batch_loss(hidden.to(head_dtype), weight, batch, options.ce_weight)
     opts = dataclasses.replace(options, softcap=softcap, reduction="sum")
     logz = batch["teacher_logz"] if opts.needs_logz else None
     labels = batch["labels"] if opts.needs_labels else None
