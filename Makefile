@@ -1,6 +1,7 @@
 # Two commands do all set-up: `make demo` and `make test`. Both create .venv on first use, installing the exact
 # versions of constraints/test.txt (the library itself declares ranges in pyproject.toml).
-# `make test-compat`: the fast suite on Python 3.12 with the oldest supported versions (constraints/oldest.txt).
+# `make test-compat`: the fast suite on Python 3.12 with the oldest supported versions (constraints/oldest.txt),
+# less the real-process tests (marker `once`) that make test runs.
 PY := .venv/bin/python
 STAMP := .venv/.installed
 EVAL_STAMP := .venv/.installed-eval
@@ -66,7 +67,10 @@ test: $(STAMP)
 
 test-compat: $(COMPAT)/.installed
 	$(COMPAT)/bin/python -c "import sys, torch, transformers, numpy; print('test-compat: Python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
-	$(COMPAT)/bin/python -m pytest
+	@# the real-process tests (marker `once`) ran in make test: their kills and servers test no library version
+	$(COMPAT)/bin/python -m pytest -m 'not slow and not once'
+	@# gpu.sh's CPU smoke run (slow, so not in make test) on the GPU machine's stack, which this one is
+	$(COMPAT)/bin/python -m pytest -m slow tests/benchmarks/test_gpu.py::test_gpu_script_smoke_runs_every_step
 
 test-slow: $(STAMP) $(EVAL_STAMP) $(ASSETS)/.done $(LLAMA_ENV)/.installed
 	$(PY) -m pytest -m slow

@@ -299,6 +299,7 @@ def _build_args(teacher_dir, data, out):
     ]
 
 
+@pytest.mark.once
 def test_sigterm_during_a_build_drops_the_shard_in_flight_and_the_rerun_completes(
     teacher_dir, long_text, tmp_path
 ):
@@ -327,6 +328,7 @@ def test_sigterm_during_a_build_drops_the_shard_in_flight_and_the_rerun_complete
     assert _digests(out) == _digests(tmp_path / "ref")
 
 
+@pytest.mark.once
 def test_a_full_disk_mid_build_is_one_line_and_the_rerun_completes(
     teacher_dir, long_text, tmp_path
 ):

@@ -3,10 +3,13 @@
 import csv
 import json
 
+import pytest
+
 from topkd.bench.loss import LossBenchConfig, add_ratios, run_loss_bench, table
 from topkd.cli import main
 
 
+@pytest.mark.slow
 def test_tiny_sweep_writes_every_output(tmp_path, capsys):
     out = tmp_path / "bench"
     main(

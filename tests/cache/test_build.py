@@ -126,6 +126,7 @@ def _shard_digests(root):
     return [(s["file"], s["sha256"], s["bytes"]) for s in manifest["shards"]]
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(
     "targets",
     [("--targets", "topk", "--k", "8"), ("--targets", "sampled", "--samples", "16")],
@@ -169,6 +170,7 @@ def test_resume_after_a_real_kill_gives_identical_bytes(teacher_dir, long_text, 
     assert not list((killed / "shards").glob("*.tmp-*"))
 
 
+@pytest.mark.once
 def test_two_process_build_equals_one_process(teacher_dir, long_text, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ("--max-sequences", "9", "--targets", "topk", "--k", "8")

@@ -114,6 +114,7 @@ def test_chat_text_with_the_teachers_markers_is_refused(
         source.check_student(len(tok), tok)
 
 
+@pytest.mark.once
 def test_a_killed_cross_tokenizer_run_resumes_the_same_trajectory(
     documents_cache, student_dir, tmp_path
 ):

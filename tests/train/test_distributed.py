@@ -68,6 +68,7 @@ def torchrun(cache, out, steps, batch_size):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.once
 def test_two_fsdp_processes_match_one_and_resume_in_one(built_cache, tmp_path):
     train(TrainConfig(cache=built_cache, out=str(tmp_path / "one"), steps=4, batch_size=2, **ARGS))
     torchrun(built_cache, tmp_path / "two", steps=4, batch_size=1)

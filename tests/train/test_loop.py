@@ -40,6 +40,7 @@ def test_seeded_run_pins_its_first_losses(built_cache, tmp_path):
 PINNED = [0.4964747, 0.8567317, 0.8202904]
 
 
+@pytest.mark.once
 def test_resume_after_a_real_kill_continues_the_same_trajectory(built_cache, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     steps = 60

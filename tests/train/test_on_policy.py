@@ -221,6 +221,7 @@ def _cli(chat_teacher_dir, chats_file, out, steps):
     ] + ["--out", str(out)]
 
 
+@pytest.mark.once
 def test_a_killed_on_policy_run_resumes_bit_identically(chat_teacher_dir, chats_file, tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     subprocess.run(

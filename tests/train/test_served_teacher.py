@@ -106,6 +106,7 @@ def _cli(student, chats_file, out, url):
     return cmd + ["--checkpoint-every", "2", "--teacher-timeout", "20", "--out", str(out)]
 
 
+@pytest.mark.once
 def test_a_server_that_dies_stops_the_run_which_resumes_against_a_new_one(
     chat_teacher_dir, chats_file, tmp_path
 ):

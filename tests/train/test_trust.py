@@ -187,6 +187,7 @@ def reference_losses(built_cache, tmp_path_factory):
     return losses(out)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(
     built_cache, tmp_path, signum, reference_losses
@@ -212,6 +213,7 @@ def test_a_signal_saves_a_checkpoint_then_stops_and_the_rerun_continues(
     assert losses(run) == reference_losses
 
 
+@pytest.mark.once
 def test_a_kill_during_the_metrics_rewrite_never_empties_it(tmp_path):
     """truncate_metrics rewrites the file on resume: killed at random moments, the file is old or new, never cut."""
     path = tmp_path / "metrics.jsonl"
@@ -307,6 +309,7 @@ def test_rerunning_a_finished_run_says_it_trained_nothing(built_cache, tmp_path)
     ) == json.loads(metrics.splitlines()[-1])
 
 
+@pytest.mark.once
 def test_a_second_train_on_a_running_out_is_refused_and_the_first_goes_on(built_cache, tmp_path):
     """A requeued cluster job overlapping the old one: both ran to the end, interleaving metrics.jsonl,
     checkpoints and run.json. --out is now held by an exclusive lock."""
