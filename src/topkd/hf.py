@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from topkd.cache.reading.dataset import EpochSampler, TopKDataset
-from topkd.data.samples import SequenceSource, collate
+from topkd.data.samples import EXTRA_ROW_KEYS, SequenceSource, collate
 from topkd.loss import loss_parts
 from topkd.loss.options import LossOptions
 from topkd.train.student import batch_loss
@@ -47,6 +47,7 @@ KD_COLUMNS = (
     "teacher_ids",
     "teacher_logprobs",
     "teacher_logz",
+    *EXTRA_ROW_KEYS,  # a cross-tokenizer source's rows (topkd.train.cross)
 )
 
 

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from tests.cache.tiny import make_teacher
 from tests.conftest import cache_config
@@ -147,3 +148,52 @@ def test_a_killed_cross_tokenizer_run_resumes_the_same_trajectory(
     )
     run = json.load(open(tmp_path / "ref" / "run.json"))
     assert "align" in json.dumps(run)
+
+
+def test_kdtrainer_trains_a_cross_tokenizer_student_as_topkd_train_does(
+    documents_cache, student_dir, tmp_path
+):
+    """A TopKDataset over the CrossTokenizerSource, in HF Trainer: the same losses as topkd train, step by step."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_hf import _cpu_args
+    from topkd import TopKDataset
+    from topkd.hf import KDTrainer
+    from topkd.loss import LossOptions
+    from topkd.train.optim import lr_factor, param_groups
+
+    cfg = config(
+        documents_cache.path,
+        tmp_path / "topkd",
+        init_from_teacher=False,
+        layers=0,
+        student=student_dir,
+        cross_tokenizer="align",
+        ce_weight=0.5,
+        steps=6,
+    )
+    train(cfg)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(student_dir).float()
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    source = CrossTokenizerSource(documents_cache, _tokenizer(student_dir), "align")
+    args = _cpu_args(
+        output_dir=str(tmp_path / "hf"),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        max_grad_norm=cfg.clip,
+        seed=0,
+    )
+    trainer = KDTrainer(
+        model=model,
+        args=args,
+        train_dataset=TopKDataset(source, seed=cfg.seed),
+        optimizers=(optimizer, scheduler),
+        loss=LossOptions(ce_weight=0.5),
+    )
+    trainer.train()
+    logs = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert logs == pytest.approx(losses(tmp_path / "topkd"), rel=1e-4)

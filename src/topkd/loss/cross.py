@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from topkd.loss.api import fused_linear_kd
 from topkd.loss.fused import chunk_rows
+from topkd.loss.parts import record
 
 
 @dataclass
@@ -85,6 +86,8 @@ def cross_tokenizer_kd(
     if ce_weight and targets.ce_rows.numel():
         ce = -_token_logprobs(h, weight, targets.ce_rows, targets.ce_labels, chunk_size).sum()
         loss = loss + ce_weight * ce
+    # for loss_parts' logging: the exact rows' KL recorded itself inside fused_linear_kd
+    record(uld.detach(), ce.detach() if ce_weight else None)
     parts = {
         "exact_kl": float(exact.detach()) / max(int(targets.exact_rows.numel()), 1),
         "uld": float(uld.detach()) / max(int(targets.uld_rows.numel()), 1),
