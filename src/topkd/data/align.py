@@ -90,29 +90,19 @@ def align_sequence(
     teacher_separator: int | None,
 ) -> AlignedSequence:
     """Re-tokenise a cached sequence (its text, owned lengths, teacher ids, document starts) for the student."""
-    ends = np.cumsum(char_len)
+    ends = np.concatenate([[0], np.cumsum(char_len)])
     bounds = sorted({0, *np.asarray(doc_starts).tolist()}) + [len(teacher_ids)]
     ids: list[np.ndarray] = []
-    starts: list[int] = []
     groups: list[tuple] = []
     t_chain: list[tuple[int, int, int]] = []
     s_chain: list[tuple[int, int]] = []
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
-        if r1 <= r0:
-            continue
+    starts = []
+    for r0, r1 in ((a, e) for a, e in zip(bounds[:-1], bounds[1:]) if e > a):
         sep = teacher_separator is not None and teacher_ids[r1 - 1] == teacher_separator
         text_end = r1 - 1 if sep else r1
-        c0 = int(ends[r0 - 1]) if r0 else 0
-        piece = text[c0 : int(ends[text_end - 1])] if text_end > r0 else ""
-        enc = student(piece, add_special_tokens=False, return_offsets_mapping=True)
-        s_ids = np.asarray(enc["input_ids"], np.int64)
-        s_len = owned_lengths(enc["offset_mapping"], len(piece))
+        s_ids, pairs = _piece(text[ends[r0] : ends[text_end]], char_len[r0:text_end], student, sep)
         s0 = sum(len(x) for x in ids)
         starts.append(s0)
-        pairs = _groups(np.asarray(char_len[r0:text_end]), s_len)
-        if sep and student.eos_token_id is not None:
-            s_ids = np.append(s_ids, student.eos_token_id)
-            pairs.append(((text_end - r0, text_end - r0), (len(s_ids) - 1, len(s_ids) - 1)))
         ids.append(s_ids)
         for (c, d), (a, b) in pairs[1:]:  # the first group of a document: no row predicts it
             g = len(groups)
@@ -135,6 +125,18 @@ def align_sequence(
         teacher_chain=(tc[:, 0], tc[:, 1], tc[:, 2]),
         student_chain=(sc[:, 0], sc[:, 1]),
     )
+
+
+def _piece(piece: str, teacher_len: np.ndarray, student, separator: bool):
+    """One document piece: the student's ids (its separator after them where the teacher had one) and the
+    groups of the two tokenisations (the separators one group of their own)."""
+    enc = student(piece, add_special_tokens=False, return_offsets_mapping=True)
+    s_ids = np.asarray(enc["input_ids"], np.int64)
+    pairs = _groups(np.asarray(teacher_len), owned_lengths(enc["offset_mapping"], len(piece)))
+    if separator and student.eos_token_id is not None:
+        s_ids = np.append(s_ids, student.eos_token_id)
+        pairs.append(((len(teacher_len), len(teacher_len)), (len(s_ids) - 1, len(s_ids) - 1)))
+    return s_ids, pairs
 
 
 def _groups(t_len: np.ndarray, s_len: np.ndarray) -> list[tuple[tuple[int, int], tuple[int, int]]]:

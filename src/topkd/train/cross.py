@@ -55,7 +55,8 @@ class CrossTokenizerSource:
         self.targets, self.target_kind = cache.targets, cache.target_kind
         self.teacher_dir = cache.teacher_dir
         self.teacher_separator = self.teacher_tokenizer.eos_token_id
-        self._shapes = [self._aligned(i) for i in range(len(cache))]  # lengths and document starts
+        # lengths and document starts (every text re-tokenised once here; the rows are decoded again per item)
+        self._shapes = [self._aligned(cache.sequence(i)) for i in range(len(cache))]
         self.tokens = sum(len(a.input_ids) for a in self._shapes)
         self.counted_tokens = self.tokens if cache.counted_tokens else 0
         self.seq_len = max((len(a.input_ids) for a in self._shapes), default=0)
@@ -85,8 +86,7 @@ class CrossTokenizerSource:
         check_spelling(self.cache, self.tokenizer)
         check_chat_markers(self.cache, self.teacher_tokenizer, self.tokenizer)
 
-    def _aligned(self, i: int) -> AlignedSequence:
-        seq = self.cache.sequence(i)
+    def _aligned(self, seq) -> AlignedSequence:
         return align_sequence(
             seq.text,
             seq.char_len,
@@ -99,7 +99,7 @@ class CrossTokenizerSource:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         seq = self.cache.sequence(i)
-        aligned = self._aligned(i)
+        aligned = self._aligned(seq)
         rows = student_rows(seq, aligned, self.vocab, self.mode, self.k)
         return {name: torch.from_numpy(value) for name, value in rows.items()}
 
