@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from tests.cache.tiny import make_teacher
 from tests.conftest import cache_config
-from tests.train.runs import config, losses
+from tests.train.runs import config, losses, wait_for_rows
 from topkd.cache import TopKCache, build
 from topkd.train import train
 from topkd.train.cross import EXACT, ULD, CrossTokenizerSource
@@ -132,11 +131,8 @@ def test_a_killed_cross_tokenizer_run_resumes_the_same_trajectory(
     proc = subprocess.Popen(
         args(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    metrics, deadline = tmp_path / "killed" / "metrics.jsonl", time.time() + 180
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and sum(1 for _ in open(metrics)) >= 5:
-            break
-        time.sleep(0.01)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    wait_for_rows(metrics, 5, proc, timeout=180)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert 5 <= sum(1 for _ in open(metrics)) < steps, "the run finished before the kill"

@@ -16,6 +16,7 @@ a separator is its own group, matched to the student's.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,6 @@ class VocabMap:
     """teacher id -> student id where the two tokens are the same string (-1: none); one to one."""
 
     to_student: np.ndarray  # [V_teacher] int64
-    mapped: int  # how many teacher ids map
 
     @staticmethod
     def between(teacher, student, teacher_vocab: int = 0) -> VocabMap:
@@ -40,16 +40,14 @@ class VocabMap:
         for i, text in enumerate(s):
             owners[text] = -1 if text in owners else i  # -1: ambiguous, never mapped
         to_student = np.full(max(len(t), teacher_vocab), -1, np.int64)
-        seen: dict[str, int] = {}
-        for i, text in enumerate(t):
-            seen[text] = seen.get(text, 0) + 1
+        seen = Counter(t)
         for i, text in enumerate(t):
             if text and "\ufffd" not in text and seen[text] == 1 and owners.get(text, -1) >= 0:
                 to_student[i] = owners[text]
-        for a, b in ((teacher.eos_token_id, student.eos_token_id),):
-            if a is not None and b is not None:
-                to_student[a] = b  # the separators: one group, whatever their spelling
-        return VocabMap(to_student, int((to_student >= 0).sum()))
+        if teacher.eos_token_id is not None and student.eos_token_id is not None:
+            # the separators: one group, whatever their spelling
+            to_student[teacher.eos_token_id] = student.eos_token_id
+        return VocabMap(to_student)
 
 
 def token_strings(tokenizer) -> list[str]:

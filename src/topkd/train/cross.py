@@ -56,11 +56,11 @@ class CrossTokenizerSource:
         self.teacher_dir = cache.teacher_dir
         self.teacher_separator = self.teacher_tokenizer.eos_token_id
         # lengths and document starts (every text re-tokenised once here; the rows are decoded again per item)
-        self._shapes = [self._aligned(cache.sequence(i)) for i in range(len(cache))]
-        self.tokens = sum(len(a.input_ids) for a in self._shapes)
+        aligned = [self._aligned(cache.sequence(i)) for i in range(len(cache))]
+        self._shapes = [(len(a.input_ids), a.doc_starts) for a in aligned]
+        self.tokens = sum(n for n, _ in self._shapes)
         self.counted_tokens = self.tokens if cache.counted_tokens else 0
-        self.seq_len = max((len(a.input_ids) for a in self._shapes), default=0)
-        self._shapes = [(len(a.input_ids), a.doc_starts) for a in self._shapes]
+        self.seq_len = max((n for n, _ in self._shapes), default=0)
 
     def __len__(self) -> int:
         return len(self.cache)
@@ -112,9 +112,13 @@ def student_rows(seq, aligned: AlignedSequence, vocab: VocabMap, mode: str, k: i
     rest, counted = np.zeros(n, np.float32), np.zeros(n, bool)
     t_rows, t_tokens, t_groups = aligned.teacher_chain
     s_rows, s_groups = aligned.student_chain
+    groups = np.arange(len(aligned.teacher_row) + 1)
+    # chains are listed in group order: group g's are one slice of each
+    t_cut, s_cut = np.searchsorted(t_groups, groups), np.searchsorted(s_groups, groups)
     for g in range(len(aligned.teacher_row)):
         r, s = int(aligned.teacher_row[g]), int(aligned.student_row[g])
-        chain = s_rows[s_groups == g]
+        chain = s_rows[s_cut[g] : s_cut[g + 1]]
+        t_chain = slice(t_cut[g], t_cut[g + 1])
         if seq.row_mask is not None and not seq.row_mask[r]:
             continue  # context the teacher read, no target
         counted[s : s + 1 + len(chain)] = True
@@ -124,7 +128,7 @@ def student_rows(seq, aligned: AlignedSequence, vocab: VocabMap, mode: str, k: i
                 ids[s], logprobs[s], kind[s] = mapped[0], mapped[1], EXACT
                 continue
         scaled = _chain_scaled(
-            seq, r, int(aligned.teacher_first[g]), t_rows[t_groups == g], t_tokens[t_groups == g]
+            seq, r, int(aligned.teacher_first[g]), t_rows[t_chain], t_tokens[t_chain]
         )
         if scaled is not None:
             logprobs[s], kind[s], chain_len[s] = scaled, ULD, len(chain)
